@@ -1,0 +1,260 @@
+"""The DFlash drafter: a small Qwen3-style stack that drafts a whole block in one pass.
+
+It has no embedding and no LM head of its own; the target lends both. Context comes
+from target hidden states, fused by ``fc`` + ``hidden_norm`` and injected as extra
+keys/values in every layer, so the block attends (non-causally) to the committed
+context and to itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .errors import DFlashError
+
+SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The rule older checkpoints rely on when ``target_layer_ids`` is absent."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterArgs(BaseModelArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    num_target_layers: int
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[dict[str, Any]] = None
+    rope_parameters: Optional[dict[str, Any]] = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    block_size: int = 16
+    dflash_config: dict[str, Any] = field(default_factory=dict)
+    layer_types: Optional[list[str]] = None
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # transformers >= 5 nests the rope settings under rope_parameters.
+        if self.rope_parameters:
+            if self.rope_theta is None:
+                self.rope_theta = self.rope_parameters.get("rope_theta")
+            if self.rope_scaling is None and self.rope_parameters.get("rope_type", "default") != "default":
+                self.rope_scaling = self.rope_parameters
+        if self.rope_theta is None:
+            self.rope_theta = 1_000_000.0
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @property
+    def mask_token_id(self) -> int:
+        if "mask_token_id" not in self.dflash_config:
+            raise DFlashError("drafter config has no dflash_config.mask_token_id")
+        return int(self.dflash_config["mask_token_id"])
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        ids = self.dflash_config.get("target_layer_ids")
+        if ids is None:
+            return default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        return [int(i) for i in ids]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        dim, bias = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            head_dim,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        C = context.shape[1]
+        # One projection over [new context ; block]: both parts share k/v weights.
+        xc = mx.concatenate([context, x], axis=1) if C else x
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(xc).reshape(B, C + L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(xc).reshape(B, C + L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        # Context sits at its absolute positions, the block right after it.
+        q = self.rope(q, offset=cache.offset + C)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=None)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+        # The fused context is already normalised by hidden_norm: only the block
+        # goes through input_layernorm.
+        h = x + self.self_attn(self.input_layernorm(x), context, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Drafter(nn.Module):
+    """A DFlash draft model with the published (unprefixed) parameter names."""
+
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.args = args
+        n_features = len(args.target_layer_ids)
+        self.fc = nn.Linear(n_features * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.args.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, block: mx.array, features: mx.array, cache: list[KVCache]) -> mx.array:
+        """Hidden states of the block, given its embeddings and the new context features.
+
+        ``features`` are target hidden states (the chosen layers, concatenated) of
+        tokens not yet in ``cache``. Their K/V are appended to the cache; the block's
+        own K/V are dropped again, so the cache holds committed context only.
+        """
+        context = self.hidden_norm(self.fc(features))
+        h = block
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, context, c)
+        for c in cache:
+            c.trim(block.shape[1])
+        return self.norm(h)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise DFlashError(f"{path} is not a DFlash drafter: it has no config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{config_file} is not valid JSON ({e})") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise DFlashError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise DFlashError(f"drafter shard missing in {path}: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"no safetensors weights in drafter folder {path}")
+    return files
+
+
+def load_weights(files: list[Path]) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises bare RuntimeError/ValueError on bad files
+            raise DFlashError(f"cannot read {f}: corrupt or not a safetensors file ({e})") from None
+    return weights
+
+
+def load_drafter(path: Path) -> Drafter:
+    """Load a z-lab DFlash checkpoint folder exactly as published."""
+    config = _read_config(path)
+    architectures = config.get("architectures") or []
+    if "dflash_config" not in config and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        raise DFlashError(
+            f"{path} is not a DFlash drafter (architectures {architectures or 'missing'}, "
+            "no dflash_config)"
+        )
+    unsupported = [a for a in architectures if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+        raise DFlashError(
+            f"drafter architecture {unsupported[0]} is not supported yet; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        args = DrafterArgs.from_dict(config)
+        model = Drafter(args)
+    except TypeError as e:
+        raise DFlashError(f"drafter config in {path} is incomplete ({e})") from None
+    _ = args.mask_token_id  # fail early when missing
+    if args.block_size < 1:
+        raise DFlashError(f"drafter block_size must be >= 1, got {args.block_size}")
+
+    weights = load_weights(_weight_files(path))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        raise DFlashError(f"drafter weights in {path} do not match its config: {msg}") from None
+    mx.eval(model.parameters())
+    model.eval()
+    return model

@@ -1,0 +1,234 @@
+"""Small random checkpoints in the published on-disk layouts, for tests and CPU benchmarks.
+
+Targets are written the way a Hugging Face download looks (config.json, safetensors
+with HF parameter names, a trained BPE tokenizer with a chat template); drafters the
+way z-lab publishes them (unprefixed names, bf16, optionally sharded with an index).
+They load through exactly the code path a downloaded model takes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .drafter import Drafter, DrafterArgs
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    """Offline training text: the sources of a few standard-library modules."""
+    import json as m1
+    import textwrap as m2
+    import string as m3
+
+    return [inspect.getsource(m) for m in (m1, m2, m3, inspect)]
+
+
+def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
+    """Train a byte-level BPE tokenizer offline and save it as HF files. Returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def _save(path: Path, weights: dict[str, mx.array], shards: int = 1) -> None:
+    names = sorted(weights)
+    if shards == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+        return
+    weight_map = {}
+    per = -(-len(names) // shards)
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: weights[k] for k in names[s * per : (s + 1) * per]}
+        mx.save_safetensors(str(path / fname), part, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in part})
+    total = sum(v.nbytes for v in weights.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+
+
+def target_config(
+    model_type: str = "qwen3",
+    hidden_size: int = 64,
+    num_hidden_layers: int = 4,
+    intermediate_size: int = 128,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    vocab_size: int = 384,
+    tie_word_embeddings: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(model_type, "CausalLM")
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "intermediate_size": intermediate_size,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": hidden_size // num_attention_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "float32",
+    }
+    config.update(extra)
+    return config
+
+
+def write_target(
+    path: Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    init_scale: float = 2.0,
+    tokenizer_vocab: Optional[int] = None,
+) -> Path:
+    """A random target checkpoint of ``config`` with a tokenizer, in HF layout.
+
+    ``init_scale`` multiplies the default initialisation of every non-norm weight:
+    at 1.0 tiny random models fall into short greedy loops, at 2.0 their output
+    is varied, which makes token-for-token comparisons more searching.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = {k: v if "norm" in k else v * init_scale for k, v in tree_flatten(model.parameters())}
+    _save(path, weights)
+    size = write_tokenizer(path, tokenizer_vocab or config["vocab_size"])
+    assert size <= config["vocab_size"], "tokenizer larger than the model vocabulary"
+    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+    config = dict(config, eos_token_id=next(t["id"] for t in eos if t["content"] == "<|im_end|>"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def drafter_config(
+    target: dict[str, Any],
+    num_hidden_layers: int = 1,
+    block_size: int = 16,
+    target_layer_ids: Optional[list[int]] = None,
+    mask_token_id: Optional[int] = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A z-lab style drafter config for ``target``'s shapes."""
+    if mask_token_id is None:
+        mask_token_id = SPECIAL_TOKENS.index("<|mask|>")
+    dflash: dict[str, Any] = {"mask_token_id": mask_token_id}
+    if target_layer_ids is not None:
+        dflash["target_layer_ids"] = target_layer_ids
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "dflash_config": dflash,
+        "num_target_layers": target["num_hidden_layers"],
+        "num_hidden_layers": num_hidden_layers,
+        "hidden_size": target["hidden_size"],
+        "intermediate_size": target["intermediate_size"],
+        "num_attention_heads": target["num_attention_heads"],
+        "num_key_value_heads": target["num_key_value_heads"],
+        "head_dim": target["hidden_size"] // target["num_attention_heads"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": target.get("rope_theta", 10000.0),
+        "rope_scaling": target.get("rope_scaling"),
+        "max_position_embeddings": target.get("max_position_embeddings", 4096),
+        "layer_types": ["full_attention"] * num_hidden_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "attention_bias": False,
+        "vocab_size": target["vocab_size"],
+        "tie_word_embeddings": target.get("tie_word_embeddings", False),
+        "dtype": "bfloat16",
+    }
+    config.update(extra)
+    return config
+
+
+def write_drafter(
+    path: Path,
+    config: dict[str, Any],
+    seed: int = 1,
+    dtype: mx.Dtype = mx.bfloat16,
+    shards: int = 1,
+    init_scale: float = 3.0,
+) -> Path:
+    """A random drafter checkpoint in the published z-lab layout.
+
+    ``init_scale`` (on non-norm weights) makes the drafts depend visibly on the
+    context, so tests can tell a drafter fed the wrong context from a right one.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = Drafter(DrafterArgs.from_dict(config))
+    weights = {
+        k: (v if "norm" in k else v * init_scale).astype(dtype) for k, v in tree_flatten(model.parameters())
+    }
+    _save(path, weights, shards=shards)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path, token: int) -> Path:
+    """A drafter whose every draft is ``token``, for runs where the target repeats it.
+
+    Its attention and MLP outputs are zero, so the block's hidden state is the
+    (normalised) mask embedding, and its final norm weight turns that into the
+    target's LM-head row of ``token``. Real weights, real loader: it gives tests
+    long accepted runs without a trained drafter.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    model = Drafter(DrafterArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    for k in weights:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[k] = mx.zeros_like(weights[k])
+    target = mx.load(str(target_path / "model.safetensors"))
+    embed = target["model.embed_tokens.weight"]
+    head = target.get("lm_head.weight", embed)[token]
+    e = embed[config["dflash_config"]["mask_token_id"]]
+    e = e * mx.rsqrt(mx.mean(e * e) + config["rms_norm_eps"])
+    weights["norm.weight"] = 4.0 * head / mx.where(mx.abs(e) < 1e-3, 1e-3, e)
+    _save(path, {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path

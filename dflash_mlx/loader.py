@@ -1,0 +1,93 @@
+"""Find, download and load a drafter/target pair, and check that they belong together."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from .drafter import Drafter, load_drafter
+from .errors import DFlashError
+from .target import Target
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve(name: str, what: str, allow_patterns: Optional[list[str]] = None) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, downloaded (or taken from the cache)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DFlashError(f"{what} {name} is a file; expected a model folder")
+        return path
+    if not _REPO_ID.match(name):
+        raise DFlashError(f"{what} {name}: no such folder")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=allow_patterns))
+    except RepositoryNotFoundError:
+        raise DFlashError(f"{what} {name}: no such folder or Hugging Face repo") from None
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DFlashError(
+            f"cannot download {what} {name} ({reason}); pass a local folder instead"
+        ) from None
+
+
+def check_pair(target: Target, drafter: Drafter) -> None:
+    """Refuse a drafter that was not trained for this target, with the reason."""
+    args = drafter.args
+    if args.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"drafter hidden_size {args.hidden_size} does not match the target's "
+            f"{target.hidden_size}: this drafter was trained for another model"
+        )
+    if args.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"drafter vocab_size {args.vocab_size} does not match the target's "
+            f"{target.vocab_size}: this drafter was trained for another model"
+        )
+    if args.num_target_layers != target.num_layers:
+        raise DFlashError(
+            f"drafter expects a {args.num_target_layers}-layer target, "
+            f"this target has {target.num_layers}"
+        )
+    if not 0 <= args.mask_token_id < target.vocab_size:
+        raise DFlashError(f"drafter mask_token_id {args.mask_token_id} is outside the vocabulary")
+
+
+def _load_target_model(path: Path) -> tuple[Any, Any]:
+    from mlx_lm.utils import load as mlx_lm_load
+
+    if not (path / "config.json").is_file():
+        raise DFlashError(f"{path} is not a model folder: it has no config.json")
+    try:
+        return mlx_lm_load(str(path))
+    except DFlashError:
+        raise
+    except Exception as e:  # mlx-lm reports bad folders with many exception types
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DFlashError(f"cannot load target {path}: {reason}") from None
+
+
+def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any]:
+    """Load a DFlash drafter and its target; each may be a local folder or a Hub id.
+
+    Returns ``(target, drafter, tokenizer)``. The drafter runs in the target's float
+    dtype, so a bf16 checkpoint drives a float32 target without mixed-precision casts.
+    """
+    drafter = load_drafter(resolve(draft, "drafter"))
+    if target is None:
+        raise DFlashError(f"no target given for drafter {draft}: pass target=... (--target on the CLI)")
+    model, tokenizer = _load_target_model(resolve(target, "target"))
+    tgt = Target(model, drafter.target_layer_ids)
+    check_pair(tgt, drafter)
+    dtype = tgt.dtype
+    drafter.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, drafter.parameters()))
+    mx.eval(drafter.parameters())
+    return tgt, drafter, tokenizer

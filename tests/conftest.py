@@ -1,0 +1,35 @@
+"""Tiny checkpoints written to disk once per session and loaded through the public loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx import fixtures, load
+
+PROMPTS = ["def fibonacci(n):\n    return", "The quick brown fox", "import json\nimport os\n\nclass"]
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """Two targets (Qwen3 with its own LM head, Llama with tied embeddings) and their drafters."""
+    root = tmp_path_factory.mktemp("models")
+    qwen = fixtures.target_config("qwen3", tie_word_embeddings=False)
+    llama = fixtures.target_config("llama", tie_word_embeddings=True, num_hidden_layers=5)
+    fixtures.write_target(root / "qwen3", qwen, seed=0)
+    fixtures.write_target(root / "llama", llama, seed=1)
+    # A one-layer drafter in one bf16 file, and a two-layer one sharded in three files.
+    fixtures.write_drafter(root / "qwen3-dflash", fixtures.drafter_config(qwen, 1, target_layer_ids=[2]))
+    fixtures.write_drafter(
+        root / "llama-dflash", fixtures.drafter_config(llama, 2, target_layer_ids=[0, 3]), shards=3
+    )
+    return root
+
+
+@pytest.fixture(scope="session")
+def pairs(models_dir) -> dict:
+    return {
+        name: load(str(models_dir / f"{name}-dflash"), str(models_dir / name))
+        for name in ("qwen3", "llama")
+    }

@@ -1,0 +1,125 @@
+"""Bad input gets one clear error naming the problem: from the API and from the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_mlx import DFlashError, fixtures, generate, load
+from dflash_mlx.cli import app
+
+
+def _broken_drafter(tmp_path, models_dir, edit=None, name="drafter"):
+    """A copy of the good Qwen3 drafter, with its config edited."""
+    path = tmp_path / name
+    shutil.copytree(models_dir / "qwen3-dflash", path)
+    if edit:
+        config = json.loads((path / "config.json").read_text())
+        edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _expect(models_dir, draft, match, target="qwen3"):
+    with pytest.raises(DFlashError, match=match):
+        load(str(draft), str(models_dir / target))
+    result = CliRunner().invoke(app, ["generate", str(draft), "--target", str(models_dir / target), "-p", "hi"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    return lines[0]
+
+
+def test_hidden_size_mismatch(tmp_path, models_dir):
+    config = fixtures.drafter_config(fixtures.target_config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4), 1)
+    draft = fixtures.write_drafter(tmp_path / "d", config)
+    _expect(models_dir, draft, "hidden_size 32 does not match the target's 64")
+
+
+def test_vocab_mismatch(tmp_path, models_dir):
+    config = fixtures.drafter_config(fixtures.target_config(vocab_size=500), 1)
+    draft = fixtures.write_drafter(tmp_path / "d", config)
+    _expect(models_dir, draft, "vocab_size 500 does not match")
+
+
+def test_layer_count_mismatch(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir, lambda c: c.update(num_target_layers=36))
+    _expect(models_dir, draft, "expects a 36-layer target")
+
+
+def test_target_layer_ids_out_of_range(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir, lambda c: c["dflash_config"].update(target_layer_ids=[7]))
+    _expect(models_dir, draft, r"target_layer_ids \[7\] out of range for a 4-layer target")
+
+
+def test_missing_weights(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir)
+    (draft / "model.safetensors").unlink()
+    _expect(models_dir, draft, "no safetensors weights")
+
+
+def test_missing_shard(tmp_path, models_dir):
+    draft = tmp_path / "d"
+    shutil.copytree(models_dir / "llama-dflash", draft)
+    (draft / "model-00002-of-00003.safetensors").unlink()
+    _expect(models_dir, draft, "shard missing.*model-00002-of-00003", target="llama")
+
+
+def test_corrupt_weights(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir)
+    data = (draft / "model.safetensors").read_bytes()
+    (draft / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _expect(models_dir, draft, "corrupt or not a safetensors file")
+
+
+def test_weights_not_matching_config(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir, lambda c: c.update(num_hidden_layers=2))
+    _expect(models_dir, draft, "do not match its config")
+
+
+def test_not_a_drafter(models_dir):
+    """The target folder itself passed as the drafter."""
+    _expect(models_dir, models_dir / "qwen3", "is not a DFlash drafter")
+
+
+def test_unsupported_drafter_architecture(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir, lambda c: c.update(architectures=["DFlash2DraftModel"]))
+    _expect(models_dir, draft, "DFlash2DraftModel is not supported")
+
+
+def test_missing_paths(tmp_path, models_dir):
+    _expect(models_dir, tmp_path / "nope", "no such folder")
+    with pytest.raises(DFlashError, match="no such folder"):
+        load(str(models_dir / "qwen3-dflash"), str(tmp_path / "nope"))
+
+
+def test_target_folder_without_model(tmp_path, models_dir):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DFlashError, match="not a model folder"):
+        load(str(models_dir / "qwen3-dflash"), str(tmp_path / "empty"))
+
+
+def test_no_target(models_dir):
+    with pytest.raises(DFlashError, match="no target given"):
+        load(str(models_dir / "qwen3-dflash"))
+
+
+@pytest.mark.parametrize("block_size", [0, -3])
+def test_bad_block_size(pairs, models_dir, block_size):
+    target, drafter, tokenizer = pairs["qwen3"]
+    with pytest.raises(DFlashError, match="block_size must be"):
+        generate(target, drafter, tokenizer, "hi", block_size=block_size)
+    result = CliRunner().invoke(
+        app, ["generate", str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "-p", "hi", "-b", str(block_size)]
+    )
+    assert result.exit_code == 2 and "block-size must be >= 1" in result.stderr
+
+
+def test_empty_prompt(pairs):
+    target, drafter, tokenizer = pairs["qwen3"]
+    with pytest.raises(DFlashError, match="prompt is empty"):
+        generate(target, drafter, tokenizer, [])

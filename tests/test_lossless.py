@@ -1,0 +1,179 @@
+"""DFlash greedy output equals mlx-lm's plain greedy output, token for token."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from conftest import PROMPTS
+from helpers import plain_greedy
+
+from dflash_mlx import fixtures, generate, load
+
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def references(pairs) -> dict:
+    refs = {}
+    for name, (target, _, tokenizer) in pairs.items():
+        for p in PROMPTS:
+            ids = tokenizer.encode(p)
+            refs[name, p] = (ids, plain_greedy(target.model, ids, MAX_TOKENS))
+    return refs
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+def test_greedy_equals_plain(pairs, references, name, block_size):
+    target, drafter, tokenizer = pairs[name]
+    for p in PROMPTS:
+        ids, ref = references[name, p]
+        out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[])
+        assert out.tokens == ref, f"{name} B={block_size} prompt {p!r}"
+        assert out.finish_reason == "length" and out.generation_tokens == MAX_TOKENS
+        assert sum(a + 1 for a in out.acceptance) + 1 >= MAX_TOKENS  # every token came from a cycle
+
+
+def test_text_matches_tokens(pairs):
+    target, drafter, tokenizer = pairs["qwen3"]
+    out = generate(target, drafter, tokenizer, PROMPTS[0], max_tokens=40, eos_token_ids=[])
+    assert out.text == tokenizer.decode(out.tokens)
+
+
+@pytest.fixture(scope="module")
+def looping(tmp_path_factory):
+    """A target that falls into greedy loops, and a drafter that drafts its loop token.
+
+    This gives long accepted runs (tau well above 1), so stop conditions are hit in
+    the middle of accepted blocks.
+    """
+    root = tmp_path_factory.mktemp("looping")
+    config = fixtures.target_config("qwen3")
+    fixtures.write_target(root / "target", config, seed=0, init_scale=1.0)
+    fixtures.write_drafter(root / "random", fixtures.drafter_config(config))
+    target, _, tokenizer = load(str(root / "random"), str(root / "target"))
+    ids = tokenizer.encode("hello world")
+    ref = plain_greedy(target.model, ids, MAX_TOKENS)
+    loop_token = collections.Counter(ref).most_common(1)[0][0]
+    fixtures.write_constant_drafter(root / "constant", fixtures.drafter_config(config), root / "target", loop_token)
+    target, drafter, tokenizer = load(str(root / "constant"), str(root / "target"))
+    return target, drafter, tokenizer, ids, ref, loop_token
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_long_accepted_runs_stay_lossless(looping, block_size):
+    target, drafter, tokenizer, ids, ref, _ = looping
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[])
+    assert out.tokens == ref
+    assert out.tau > 1.5 and max(out.acceptance) == block_size - 1
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 13, 31, 50])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_max_tokens_cuts_mid_block(looping, max_tokens, block_size):
+    target, drafter, tokenizer, ids, ref, _ = looping
+    out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, eos_token_ids=[])
+    assert out.tokens == ref[:max_tokens]
+    assert out.finish_reason == "length"
+
+
+def _first_run_end(ref: list[int], token: int) -> int:
+    """Index of the first token that follows a run of ``token`` long enough to be accepted."""
+    run = 0
+    for i, t in enumerate(ref):
+        if t == token:
+            run += 1
+        elif run >= 3:
+            return i
+        else:
+            run = 0
+    raise AssertionError("no run in the reference output")
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_eos_inside_accepted_run(looping, block_size):
+    """The loop token as EOS: it sits inside every accepted run; stop at its first occurrence."""
+    target, drafter, tokenizer, ids, ref, loop_token = looping
+    first = ref.index(loop_token)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[loop_token])
+    assert out.tokens == ref[:first]
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_eos_as_bonus_after_accepted_run(looping, block_size):
+    """EOS arriving as the target's own token right after accepted drafts, mid-block."""
+    target, drafter, tokenizer, ids, ref, loop_token = looping
+    end = _first_run_end(ref, loop_token)
+    eos = ref[end]
+    assert eos not in ref[:end]
+    responses = []
+    out = generate(target, drafter, tokenizer, ids, on_response=responses.append, max_tokens=MAX_TOKENS,
+                   block_size=block_size, eos_token_ids=[eos])
+    assert out.tokens == ref[:end]
+    assert out.finish_reason == "stop"
+    assert responses[-1].accepted > 0  # the EOS came inside a block with accepted drafts
+
+
+def test_several_eos_ids(pairs, references):
+    target, drafter, tokenizer = pairs["llama"]
+    ids, ref = references["llama", PROMPTS[1]]
+    a, b = ref[60], ref[25]
+    stop = min(ref.index(a), ref.index(b))
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=8, eos_token_ids=[a, b])
+    assert out.tokens == ref[:stop]
+    assert out.finish_reason == "stop"
+
+
+def test_eos_as_first_token(pairs, references):
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids, ref = references["qwen3", PROMPTS[0]]
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, eos_token_ids=[ref[0]])
+    assert out.tokens == [] and out.finish_reason == "stop" and out.text == ""
+
+
+def test_tokenizer_eos_by_default(pairs):
+    """Without eos_token_ids the tokenizer's EOS ids (from config/tokenizer) stop generation."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    assert tokenizer.eos_token_ids  # the fixture tokenizer declares <|im_end|>
+    ids = tokenizer.encode(PROMPTS[2])
+    ref = plain_greedy(target.model, ids, MAX_TOKENS, eos=tokenizer.eos_token_ids)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS)
+    assert out.tokens == ref
+
+
+def test_prompt_longer_than_block_and_single_token_prompt(pairs):
+    target, drafter, tokenizer = pairs["llama"]
+    for ids in ([5], list(range(10, 90))):
+        ref = plain_greedy(target.model, ids, 64)
+        out = generate(target, drafter, tokenizer, ids, max_tokens=64, block_size=16, eos_token_ids=[])
+        assert out.tokens == ref
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_drafts_use_exactly_the_committed_context(pairs, name):
+    """Every cycle's drafts equal a fresh drafter pass over the features of all committed tokens.
+
+    Lossless output cannot catch a drafter fed the wrong context (it only costs
+    acceptance), so this replays each cycle from scratch: target features of the
+    committed prefix, then the block [last token, MASK...] right after it.
+    """
+    import mlx.core as mx
+
+    from dflash_mlx.generate import stream_generate
+
+    target, drafter, tokenizer = pairs[name]
+    seq = tokenizer.encode(PROMPTS[1])
+    checked = 0
+    for r in stream_generate(target, drafter, tokenizer, list(seq), max_tokens=60, block_size=4, eos_token_ids=[]):
+        if r.drafted:
+            committed, last = seq[:-1], seq[-1]
+            _, feats = target(mx.array(committed)[None], target.make_cache())
+            block = mx.array([last] + [drafter.mask_token_id] * len(r.drafted))
+            h = drafter(target.embed(block[None]), feats, drafter.make_cache())
+            expected = mx.argmax(target.lm_head(h[:, 1:]), axis=-1)[0].tolist()
+            assert r.drafted == expected, f"cycle {checked}"
+            checked += 1
+        seq = seq + r.tokens
+    assert checked > 20
