@@ -65,6 +65,9 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt ('-' reads stdin)."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Draft block size (default: the drafter's)."),
+    window: Optional[int] = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory)."),
+    sinks: int = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted."),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step", help="Prefill the prompt this many tokens at a time."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
@@ -89,7 +92,10 @@ def generate(
             sys.stdout.write(response.text)
             sys.stdout.flush()
 
-    result = run(tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size)
+    result = run(
+        tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
+        window=window, sinks=sinks, prefill_step_size=prefill_step_size,
+    )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
         return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +20,10 @@ from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .caches import WindowKVCache
 from .errors import DFlashError
+
+Cache = Union[KVCache, WindowKVCache]
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -102,19 +105,24 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+    def context_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Keys (normed, rotated from ``offset``) and values for the rows of ``x``."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, context: mx.array, cache: Cache) -> mx.array:
         B, L, _ = x.shape
         C = context.shape[1]
         # One projection over [new context ; block]: both parts share k/v weights.
-        xc = mx.concatenate([context, x], axis=1) if C else x
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(xc).reshape(B, C + L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(xc).reshape(B, C + L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         # Context sits at its absolute positions, the block right after it.
+        k, v = self.context_kv(mx.concatenate([context, x], axis=1) if C else x, cache.offset)
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=cache.offset + C)
-        k = self.rope(k, offset=cache.offset)
+        mask = cache.block_mask(C, L) if isinstance(cache, WindowKVCache) else None
         k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=None)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -137,7 +145,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache: Cache) -> mx.array:
         # The fused context is already normalised by hidden_norm: only the block
         # goes through input_layernorm.
         h = x + self.self_attn(self.input_layernorm(x), context, cache)
@@ -168,10 +176,19 @@ class Drafter(nn.Module):
     def target_layer_ids(self) -> list[int]:
         return self.args.target_layer_ids
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, window: Optional[int] = None, sinks: int = 0, block_size: int = 16) -> list[Cache]:
+        """Context caches; with a window, each update holds new context plus a block (2B slack)."""
+        if window is None:
+            return [KVCache() for _ in self.layers]
+        return [WindowKVCache(window, sinks, slack=2 * block_size) for _ in self.layers]
 
-    def __call__(self, block: mx.array, features: mx.array, cache: list[KVCache]) -> mx.array:
+    def add_context(self, features: mx.array, cache: list[Cache]) -> None:
+        """Append context K/V without drafting (prefill): only fc, hidden_norm and k/v projections run."""
+        context = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.context_kv(context, c.offset))
+
+    def __call__(self, block: mx.array, features: mx.array, cache: list[Cache]) -> mx.array:
         """Hidden states of the block, given its embeddings and the new context features.
 
         ``features`` are target hidden states (the chosen layers, concatenated) of

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
+from .caches import check_window
 from .drafter import Drafter
 from .errors import DFlashError
 from .target import Target
@@ -35,6 +36,7 @@ class GenerationResponse:
     generation_tokens: int
     generation_tps: float  # tokens after the first, per second after the first
     peak_memory: float  # GB
+    cache_bytes: int  # KV caches of target and drafter together
     finish_reason: Optional[str] = None  # "stop" (EOS), "length" (max_tokens) or None
 
 
@@ -113,6 +115,48 @@ def _draft(target: Target, drafter: Drafter, last: mx.array, context: mx.array, 
     return mx.argmax(target.lm_head(h[:, 1:]), axis=-1)[0]
 
 
+def _prefill(
+    target: Target,
+    drafter: Optional[Drafter],
+    prompt: list[int],
+    target_cache: list,
+    draft_cache: list,
+    chunk: int,
+    progress: Callable[[int, int], None],
+) -> tuple[mx.array, Optional[mx.array]]:
+    """Run the prompt through the target in chunks; return the next token and the pending context.
+
+    Each chunk's attention sees only what the caches keep, so no prompt-sized mask
+    is ever built. Features of all chunks but the last go straight into the
+    drafter's context cache (windowed like the target's); the last chunk's are
+    handed to the first draft.
+    """
+    total = len(prompt)
+    progress(0, total)
+    for start in range(0, total, chunk):
+        ids = mx.array(prompt[start : start + chunk])[None]
+        with mx.stream(generation_stream):
+            logits, features = target(ids, target_cache, last_logits_only=True)
+            if start + chunk < total:
+                if drafter is not None:
+                    drafter.add_context(features, draft_cache)
+                mx.eval([c.state for c in target_cache + draft_cache])
+        progress(min(start + chunk, total), total)
+    with mx.stream(generation_stream):
+        last = mx.argmax(logits[0], axis=-1)
+    mx.eval(last, features)
+    mx.clear_cache()  # prefill's temporaries are the largest buffers of the run
+    return last, features if drafter is not None else None
+
+
+class _Cycle(NamedTuple):
+    tokens: list[int]
+    drafted: list[int]
+    accepted: int
+    reason: Optional[str]
+    cache_bytes: int
+
+
 def _decode(
     target: Target,
     drafter: Drafter,
@@ -120,18 +164,20 @@ def _decode(
     max_tokens: int,
     block_size: int,
     eos: frozenset[int],
-) -> Iterator[tuple[list[int], list[int], int, Optional[str]]]:
-    """Yield (new tokens, drafts, accepted drafts, finish reason) per cycle, the prefill token first."""
-    target_cache = target.make_cache()
-    draft_cache = drafter.make_cache()
-    with mx.stream(generation_stream):
-        logits, context = target(mx.array(prompt)[None], target_cache, last_logits_only=True)
-        last = mx.argmax(logits[0], axis=-1)
+    window: Optional[int],
+    sinks: int,
+    prefill_step_size: int,
+    progress: Callable[[int, int], None],
+) -> Iterator[_Cycle]:
+    """Yield each cycle's outcome, the prefill's token first."""
+    target_cache = target.make_cache(window, sinks, slack=block_size)
+    draft_cache = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
+    last, context = _prefill(
+        target, drafter if block_size > 1 else None, prompt, target_cache, draft_cache, prefill_step_size, progress
+    )
     pending, reason = _cut(last.tolist(), eos, max_tokens)
     draft_tokens: list[int] = []
     accepted, emitted = 0, len(pending)
-    if block_size == 1:
-        context = None  # never drafted: don't hold features
     while True:
         if reason is None:
             n = min(block_size, max_tokens - emitted)
@@ -145,7 +191,7 @@ def _decode(
                 verified = mx.argmax(logits[0], axis=-1)
             mx.async_eval(verified, drafted) if drafted is not None else mx.async_eval(verified)
         # The caller's work on these tokens overlaps the cycle computing above.
-        yield pending, draft_tokens, accepted, reason
+        yield _Cycle(pending, draft_tokens, accepted, reason, sum(c.nbytes for c in target_cache + draft_cache))
         if reason is not None:
             return
         target_tokens = verified.tolist()  # the one host read per cycle
@@ -170,17 +216,31 @@ def stream_generate(
     max_tokens: int = 256,
     block_size: Optional[int] = None,
     eos_token_ids: Optional[Iterable[int]] = None,
+    window: Optional[int] = None,
+    sinks: int = 0,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
-    The output equals the target's own greedy decoding token for token. Generation
-    stops after ``max_tokens`` tokens or before the first EOS token (not emitted).
+    The output equals the target's own greedy decoding (under the same attention
+    window, if any) token for token. Generation stops after ``max_tokens`` tokens
+    or before the first EOS token (not emitted).
+
+    ``window`` bounds memory for long contexts: full-attention layers and the
+    drafter's context keep ``sinks`` first positions plus the last ``window``.
+    The prompt is prefilled ``prefill_step_size`` tokens at a time, reporting
+    ``(done, total)`` to ``prompt_progress_callback``.
     """
     block_size = drafter.block_size if block_size is None else block_size
     if not isinstance(block_size, int) or block_size < 1:
         raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
+    if prefill_step_size < 1:
+        raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+    if window is not None:
+        check_window(window, sinks, block_size)
     ids = encode_prompt(tokenizer, prompt)
     eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     detokenizer = tokenizer.detokenizer
@@ -189,30 +249,34 @@ def stream_generate(
     tic = time.perf_counter()
     prompt_tps, first_time, generated = 0.0, 0.0, 0
     with wired_limit(target.model, [generation_stream]):
-        for i, (tokens, drafted, accepted, reason) in enumerate(
-            _decode(target, drafter, ids, max_tokens, block_size, eos)
+        for i, cycle in enumerate(
+            _decode(
+                target, drafter, ids, max_tokens, block_size, eos, window, sinks, prefill_step_size,
+                prompt_progress_callback or (lambda done, total: None),
+            )
         ):
             now = time.perf_counter()
             if i == 0:
                 prompt_tps = len(ids) / (now - tic)
                 first_time = now
-            generated += len(tokens)
-            for t in tokens:
+            generated += len(cycle.tokens)
+            for t in cycle.tokens:
                 detokenizer.add_token(t)
-            if reason is not None:
+            if cycle.reason is not None:
                 detokenizer.finalize()
             elapsed = now - first_time
             yield GenerationResponse(
                 text=detokenizer.last_segment,
-                tokens=tokens,
-                accepted=accepted,
-                drafted=drafted,
+                tokens=cycle.tokens,
+                accepted=cycle.accepted,
+                drafted=cycle.drafted,
                 prompt_tokens=len(ids),
                 prompt_tps=prompt_tps,
                 generation_tokens=generated,
                 generation_tps=(generated - 1) / elapsed if elapsed > 0 and generated > 1 else 0.0,
                 peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=reason,
+                cache_bytes=cycle.cache_bytes,
+                finish_reason=cycle.reason,
             )
 
 

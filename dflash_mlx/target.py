@@ -9,13 +9,14 @@ are two independent adapters.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
+from .caches import WindowKVCache
 from .errors import DFlashError
 
 # model_type values whose layer loop `_forward` reproduces exactly.
@@ -63,8 +64,24 @@ class Target:
         emb = self.body.embed_tokens
         return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
 
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+    def make_cache(self, window: Optional[int] = None, sinks: int = 0, slack: int = 16) -> list[Any]:
+        """Per-layer caches that can roll back ``slack`` tokens.
+
+        Without ``window`` full-attention layers keep everything (exact full
+        attention). With it they keep ``sinks`` + the last ``window`` positions.
+        Layers with their own sliding window keep theirs, in a cache that can
+        roll back (mlx-lm's RotatingKVCache cannot once it wraps).
+        """
+        own_window = getattr(self.body, "sliding_window", None)
+        caches: list[Any] = []
+        for layer in self.body.layers:
+            if getattr(layer, "use_sliding", False):
+                caches.append(WindowKVCache(own_window, 0, slack))
+            elif window is not None:
+                caches.append(WindowKVCache(window, sinks, slack))
+            else:
+                caches.append(KVCache())
+        return caches
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.body.embed_tokens(tokens)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
 
 from dflash_mlx import fixtures, load
+from helpers import plain_greedy
 
+MAX_TOKENS = 200
 PROMPTS = ["def fibonacci(n):\n    return", "The quick brown fox", "import json\nimport os\n\nclass"]
 
 
@@ -33,3 +36,23 @@ def pairs(models_dir) -> dict:
         name: load(str(models_dir / f"{name}-dflash"), str(models_dir / name))
         for name in ("qwen3", "llama")
     }
+
+
+@pytest.fixture(scope="session")
+def looping(tmp_path_factory):
+    """A target that falls into greedy loops, and a drafter that drafts its loop token.
+
+    This gives long accepted runs (tau well above 1), so stop conditions are hit in
+    the middle of accepted blocks.
+    """
+    root = tmp_path_factory.mktemp("looping")
+    config = fixtures.target_config("qwen3")
+    fixtures.write_target(root / "target", config, seed=0, init_scale=1.0)
+    fixtures.write_drafter(root / "random", fixtures.drafter_config(config))
+    target, _, tokenizer = load(str(root / "random"), str(root / "target"))
+    ids = tokenizer.encode("hello world")
+    ref = plain_greedy(target.model, ids, MAX_TOKENS)
+    loop_token = collections.Counter(ref).most_common(1)[0][0]
+    fixtures.write_constant_drafter(root / "constant", fixtures.drafter_config(config), root / "target", loop_token)
+    target, drafter, tokenizer = load(str(root / "constant"), str(root / "target"))
+    return target, drafter, tokenizer, ids, ref, loop_token

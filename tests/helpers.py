@@ -8,11 +8,19 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 
-def plain_greedy(model, prompt: list[int], max_tokens: int, eos: Iterable[int] = ()) -> list[int]:
-    """mlx-lm's own greedy decoding, stopped the way dflash stops (EOS not emitted)."""
+def plain_greedy(
+    model, prompt: list[int], max_tokens: int, eos: Iterable[int] = (), prompt_cache=None, prefill_step_size: int = 2048
+) -> list[int]:
+    """mlx-lm's own greedy decoding, stopped the way dflash stops (EOS not emitted).
+
+    ``prompt_cache`` gives it the same attention semantics as a dflash run with a window.
+    """
     eos = set(eos)
     out: list[int] = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size
+    )
+    for token, _ in steps:
         token = int(token)
         if token in eos:
             break

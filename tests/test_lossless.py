@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import collections
-
 import pytest
-from conftest import PROMPTS
+from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import fixtures, generate, load
-
-MAX_TOKENS = 200
+from dflash_mlx import generate
 
 
 @pytest.fixture(scope="module")
@@ -39,26 +35,6 @@ def test_text_matches_tokens(pairs):
     target, drafter, tokenizer = pairs["qwen3"]
     out = generate(target, drafter, tokenizer, PROMPTS[0], max_tokens=40, eos_token_ids=[])
     assert out.text == tokenizer.decode(out.tokens)
-
-
-@pytest.fixture(scope="module")
-def looping(tmp_path_factory):
-    """A target that falls into greedy loops, and a drafter that drafts its loop token.
-
-    This gives long accepted runs (tau well above 1), so stop conditions are hit in
-    the middle of accepted blocks.
-    """
-    root = tmp_path_factory.mktemp("looping")
-    config = fixtures.target_config("qwen3")
-    fixtures.write_target(root / "target", config, seed=0, init_scale=1.0)
-    fixtures.write_drafter(root / "random", fixtures.drafter_config(config))
-    target, _, tokenizer = load(str(root / "random"), str(root / "target"))
-    ids = tokenizer.encode("hello world")
-    ref = plain_greedy(target.model, ids, MAX_TOKENS)
-    loop_token = collections.Counter(ref).most_common(1)[0][0]
-    fixtures.write_constant_drafter(root / "constant", fixtures.drafter_config(config), root / "target", loop_token)
-    target, drafter, tokenizer = load(str(root / "constant"), str(root / "target"))
-    return target, drafter, tokenizer, ids, ref, loop_token
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
