@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import __version__
 from .errors import DFlashError
@@ -42,6 +44,28 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def prefill_progress() -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar on stderr for prompts that take more than one prefill chunk."""
+    bar = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=err, transient=True)
+    task = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal task
+        if task is None and 0 < done < total:
+            bar.start()
+            task = bar.add_task("prefill", total=total)
+        if task is not None:
+            bar.update(task, completed=done)
+
+    try:
+        yield update
+    finally:
+        if task is not None:
+            bar.stop()
 
 
 def _version(value: bool) -> None:
@@ -92,10 +116,11 @@ def generate(
             sys.stdout.write(response.text)
             sys.stdout.flush()
 
-    result = run(
-        tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
-        window=window, sinks=sinks, prefill_step_size=prefill_step_size,
-    )
+    with prefill_progress() as progress:
+        result = run(
+            tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
+            window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
+        )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
         return

@@ -8,6 +8,7 @@ drafted and verified token ids, from which the accepted length follows.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
@@ -207,6 +208,15 @@ def _decode(
         emitted += len(pending)
 
 
+@contextlib.contextmanager
+def _release_buffers() -> Iterator[None]:
+    """Hand MLX's cached buffers back when a generation ends, however it ends."""
+    try:
+        yield
+    finally:
+        mx.clear_cache()
+
+
 def stream_generate(
     target: Target,
     drafter: Drafter,
@@ -248,7 +258,7 @@ def stream_generate(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps, first_time, generated = 0.0, 0.0, 0
-    with wired_limit(target.model, [generation_stream]):
+    with wired_limit(target.model, [generation_stream]), _release_buffers():
         for i, cycle in enumerate(
             _decode(
                 target, drafter, ids, max_tokens, block_size, eos, window, sinks, prefill_step_size,
