@@ -91,7 +91,9 @@ def generate(
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Draft block size (default: the drafter's)."),
     window: Optional[int] = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory)."),
     sinks: int = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted."),
-    prefill_step_size: int = typer.Option(2048, "--prefill-step", help="Prefill the prompt this many tokens at a time."),
+    prefill_step_size: Optional[int] = typer.Option(
+        None, "--prefill-step", help="Prefill this many tokens at a time [default: 2048, window/16 with --window]."
+    ),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:

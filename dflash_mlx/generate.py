@@ -2,8 +2,9 @@
 
 Each cycle is built as one lazy graph (draft -> verify -> argmax) and evaluated
 asynchronously; the previous cycle's tokens are detokenized and handed to the
-caller while the device works. The host reads the device once per cycle: the
-drafted and verified token ids, from which the accepted length follows.
+caller while the device works (on Metal; MLX's CPU backend does most of the
+work inside ``async_eval`` itself). The host reads the device once per cycle:
+the drafted and verified token ids, from which the accepted length follows.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def stream_generate(
     eos_token_ids: Optional[Iterable[int]] = None,
     window: Optional[int] = None,
     sinks: int = 0,
-    prefill_step_size: int = 2048,
+    prefill_step_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
@@ -240,17 +241,22 @@ def stream_generate(
     ``window`` bounds memory for long contexts: full-attention layers and the
     drafter's context keep ``sinks`` first positions plus the last ``window``.
     The prompt is prefilled ``prefill_step_size`` tokens at a time, reporting
-    ``(done, total)`` to ``prompt_progress_callback``.
+    ``(done, total)`` to ``prompt_progress_callback``. By default that is 2048,
+    or ``window // 16`` with a window: a chunk attends over ``window + chunk``
+    positions, so small chunks keep a long prompt's peak memory within a few
+    percent of a prompt that just fills the window.
     """
     block_size = drafter.block_size if block_size is None else block_size
     if not isinstance(block_size, int) or block_size < 1:
         raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
-    if prefill_step_size < 1:
-        raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     if window is not None:
         check_window(window, sinks, block_size)
+    if prefill_step_size is None:
+        prefill_step_size = 2048 if window is None else max(block_size, min(2048, window // 16))
+    if prefill_step_size < 1:
+        raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     ids = encode_prompt(tokenizer, prompt)
     eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     detokenizer = tokenizer.detokenizer

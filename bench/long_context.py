@@ -1,0 +1,74 @@
+"""Long contexts in bounded memory: a prompt-length sweep under a sliding window.
+
+For each prompt length, plain mlx-lm decoding and DFlash run on the same target with
+the same window semantics (the same WindowKVCache), side by side in one process,
+and the script prints prefill tok/s, decode tok/s, tau and peak memory for both.
+The targets: peak memory at 32k within 10% of 8k, and DFlash decode tok/s at 32k
+at least 0.9x its value at 8k.
+
+    python bench/long_context.py [--window 8192] [--lengths 1024,4096,8192,16384,32768]
+                                 [--hidden 512] [--layers 4] [--max-tokens 64] [--block-size 16]
+"""
+
+from __future__ import annotations
+
+from common import build_models, plain, print_machine, prompt_ids  # re-execs with OpenBLAS first
+
+import argparse  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+import dflash_mlx  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--window", type=int, default=8192)
+    parser.add_argument("--lengths", default="1024,4096,8192,16384,32768")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+
+    print_machine()
+    folder = build_models(args.hidden, args.layers)
+    target, drafter, tokenizer = dflash_mlx.load(str(folder / "draft"), str(folder / "target"))
+    W, N, B = args.window, args.max_tokens, args.block_size
+    print(f"hidden {args.hidden}, layers {args.layers}, window {W}, block {B}, {N} new tokens per prompt\n")
+
+    def run_plain(ids: list[int]) -> dict:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        tokens, decode, prefill = plain(target.model, ids, N, prompt_cache=target.make_cache(W, 0, slack=1))
+        return {"prefill": prefill, "decode": decode, "peak": mx.get_peak_memory() / 2**30, "tokens": tokens}
+
+    def run_dflash(ids: list[int]) -> dict:
+        mx.clear_cache()
+        r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=B, eos_token_ids=[], window=W)
+        return {"prefill": r.prompt_tps, "decode": r.generation_tps, "peak": r.peak_memory * 1e9 / 2**30,
+                "tau": r.tau, "tokens": r.tokens}
+
+    warm = prompt_ids(tokenizer, 256)
+    run_plain(warm), run_dflash(warm)
+    header = f"{'prompt':>7} | {'prefill tok/s':>21} | {'decode tok/s':>19} | {'ratio':>5} | {'tau':>4} | {'peak GiB':>13} | same"
+    print(header)
+    print(f"{'':>7} | {'plain':>10} {'dflash':>10} | {'plain':>9} {'dflash':>9} | {'':>5} | {'':>4} | {'plain':>6} {'dflash':>6} |")
+    rows = {}
+    for n in lengths:
+        ids = prompt_ids(tokenizer, n)
+        p, d = run_plain(ids), run_dflash(ids)
+        rows[n] = (p, d)
+        print(f"{n:>7} | {p['prefill']:>10.0f} {d['prefill']:>10.0f} | {p['decode']:>9.1f} {d['decode']:>9.1f} | "
+              f"{d['decode'] / p['decode']:>5.2f} | {d['tau']:>4.2f} | {p['peak']:>6.2f} {d['peak']:>6.2f} | "
+              f"{'OK' if p['tokens'] == d['tokens'] else 'MISMATCH'}", flush=True)
+    if 8192 in rows and 32768 in rows:
+        (_, d8), (_, d32) = rows[8192], rows[32768]
+        mem, speed = d32["peak"] / d8["peak"], d32["decode"] / d8["decode"]
+        print(f"\npeak memory 32k/8k: {mem:.3f} ({'PASS' if mem <= 1.10 else 'FAIL'}, target <= 1.10)")
+        print(f"dflash decode 32k/8k: {speed:.3f} ({'PASS' if speed >= 0.90 else 'FAIL'}, target >= 0.90)")
+
+
+if __name__ == "__main__":
+    main()
