@@ -15,10 +15,10 @@ holds which position.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import ArraysCache, _BaseCache
 
 from .errors import DFlashError
 
@@ -188,3 +188,32 @@ class WindowKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RecurrentCache(ArraysCache):
+    """Conv and SSM state of a GatedDeltaNet layer, able to undo the tail of its last update.
+
+    mlx-lm's ArraysCache cannot be trimmed. The layer's forward (see target.py)
+    leaves a ``replay(keep)`` function here that rebuilds the state after only the
+    first ``keep`` tokens of the update, from the inputs the recurrence already
+    had: the conv state is a slice of the conv input, and the SSM state reruns
+    the recurrence from the previous state over ``keep`` tokens, never the
+    projections.
+    """
+
+    def __init__(self):
+        super().__init__(size=2)
+        self.replay: Optional[Callable[[int], tuple[mx.array, mx.array]]] = None
+        self.last_update = 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n == 0:
+            return 0
+        if self.replay is None or n > self.last_update:
+            raise ValueError(f"RecurrentCache can only undo its last update ({self.last_update} tokens), asked {n}")
+        self[0], self[1] = self.replay(self.last_update - n)
+        self.replay, self.last_update = None, 0
+        return n

@@ -56,6 +56,7 @@ class DrafterArgs(BaseModelArgs):
     dflash_config: dict[str, Any] = field(default_factory=dict)
     layer_types: Optional[list[str]] = None
     sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None
 
     def __post_init__(self) -> None:
         # transformers >= 5 nests the rope settings under rope_parameters.
@@ -68,6 +69,25 @@ class DrafterArgs(BaseModelArgs):
             self.rope_theta = 1_000_000.0
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashError(
+                f"drafter layer_types lists {len(self.layer_types)} layers, config has {self.num_hidden_layers}"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise DFlashError("drafter has sliding_attention layers but no sliding_window")
+
+    def value(self, name: str, default: Any = None) -> Any:
+        """A setting from dflash_config, else the top-level config (as the reference reads them)."""
+        return self.dflash_config.get(name, getattr(self, name, default))
+
+    def layer_window(self, i: int) -> Optional[int]:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Sliding layers attend causally inside the block, full ones bidirectionally, unless is_causal says."""
+        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
 
     @property
     def mask_token_id(self) -> int:
@@ -84,8 +104,9 @@ class DrafterArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: DrafterArgs):
+    def __init__(self, args: DrafterArgs, causal: bool = False):
         super().__init__()
+        self.causal = causal
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = head_dim = args.head_dim
@@ -120,7 +141,10 @@ class Attention(nn.Module):
         k, v = self.context_kv(mx.concatenate([context, x], axis=1) if C else x, cache.offset)
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=cache.offset + C)
-        mask = cache.block_mask(C, L) if isinstance(cache, WindowKVCache) else None
+        if isinstance(cache, WindowKVCache):
+            mask = cache.make_mask(C + L)[C:] if self.causal else cache.block_mask(C, L)
+        else:
+            mask = "causal" if self.causal else None
         k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -138,9 +162,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: DrafterArgs):
+    def __init__(self, args: DrafterArgs, causal: bool = False):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, causal)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -161,12 +185,26 @@ class Drafter(nn.Module):
         n_features = len(args.target_layer_ids)
         self.fc = nn.Linear(n_features * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [DecoderLayer(args, args.layer_causal(i)) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     @property
     def block_size(self) -> int:
-        return self.args.block_size
+        return int(self.args.value("block_size", 16))
+
+    @property
+    def input_embedding_scale(self) -> float:
+        return float(self.args.value("input_embedding_scale", 1.0))
+
+    def compute_logits(self, logits: mx.array) -> mx.array:
+        """The published output transforms (multiplier, soft-capping) over the target head's logits."""
+        multiplier = float(self.args.value("output_multiplier", 1.0))
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        softcap = self.args.value("final_logit_softcapping")
+        if softcap:
+            logits = mx.tanh(logits / float(softcap)) * float(softcap)
+        return logits
 
     @property
     def mask_token_id(self) -> int:
@@ -177,10 +215,21 @@ class Drafter(nn.Module):
         return self.args.target_layer_ids
 
     def make_cache(self, window: Optional[int] = None, sinks: int = 0, block_size: int = 16) -> list[Cache]:
-        """Context caches; with a window, each update holds new context plus a block (2B slack)."""
-        if window is None:
-            return [KVCache() for _ in self.layers]
-        return [WindowKVCache(window, sinks, slack=2 * block_size) for _ in self.layers]
+        """Context caches, one per layer.
+
+        Sliding layers keep their own window, others the user's (if any). A
+        windowed update holds new context plus a block, hence 2B of slack.
+        """
+        caches: list[Cache] = []
+        for i in range(len(self.layers)):
+            own = self.args.layer_window(i)
+            if own is not None:
+                caches.append(WindowKVCache(min(own, window or own), 0, slack=2 * block_size))
+            elif window is not None:
+                caches.append(WindowKVCache(window, sinks, slack=2 * block_size))
+            else:
+                caches.append(KVCache())
+        return caches
 
     def add_context(self, features: mx.array, cache: list[Cache]) -> None:
         """Append context K/V without drafting (prefill): only fc, hidden_norm and k/v projections run."""
@@ -263,8 +312,8 @@ def load_drafter(path: Path) -> Drafter:
     except TypeError as e:
         raise DFlashError(f"drafter config in {path} is incomplete ({e})") from None
     _ = args.mask_token_id  # fail early when missing
-    if args.block_size < 1:
-        raise DFlashError(f"drafter block_size must be >= 1, got {args.block_size}")
+    if model.block_size < 1:
+        raise DFlashError(f"drafter block_size must be >= 1, got {model.block_size}")
 
     weights = load_weights(_weight_files(path))
     try:

@@ -83,6 +83,32 @@ def _save(path: Path, weights: dict[str, mx.array], shards: int = 1) -> None:
     )
 
 
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True}
+_HYBRID = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+           "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+           "partial_rotary_factor": 0.25}
+# Tiny but complete settings each architecture's ModelArgs needs beyond the common ones.
+ARCH_EXTRAS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": _MOE,
+    "qwen3_5": dict(_HYBRID, rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+    "qwen3_5_moe": dict(_HYBRID, **_MOE, shared_expert_intermediate_size=64,
+                        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
+    "qwen3_next": dict(_HYBRID, **_MOE, shared_expert_intermediate_size=64),
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"] * 2},
+}
+
+
 def target_config(
     model_type: str = "qwen3",
     hidden_size: int = 64,
@@ -94,9 +120,8 @@ def target_config(
     tie_word_embeddings: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
-    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(model_type, "CausalLM")
     config = {
-        "architectures": [arch],
+        "architectures": [_ARCHITECTURES.get(model_type, "CausalLM")],
         "model_type": model_type,
         "hidden_size": hidden_size,
         "num_hidden_layers": num_hidden_layers,
@@ -111,6 +136,7 @@ def target_config(
         "tie_word_embeddings": tie_word_embeddings,
         "torch_dtype": "float32",
     }
+    config.update(ARCH_EXTRAS.get(model_type, {}))
     config.update(extra)
     return config
 
@@ -224,8 +250,8 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             weights[k] = mx.zeros_like(weights[k])
     target = mx.load(str(target_path / "model.safetensors"))
-    embed = target["model.embed_tokens.weight"]
-    head = target.get("lm_head.weight", embed)[token]
+    embed = next(v for k, v in target.items() if k.endswith("embed_tokens.weight"))
+    head = next((v for k, v in target.items() if k.endswith("lm_head.weight")), embed)[token]
     e = embed[config["dflash_config"]["mask_token_id"]]
     e = e * mx.rsqrt(mx.mean(e * e) + config["rms_norm_eps"])
     weights["norm.weight"] = 4.0 * head / mx.where(mx.abs(e) < 1e-3, 1e-3, e)

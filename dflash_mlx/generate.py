@@ -113,8 +113,11 @@ def _cut(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int]
 def _draft(target: Target, drafter: Drafter, last: mx.array, context: mx.array, cache: list, n: int) -> mx.array:
     """n - 1 draft tokens for the block [last, MASK x (n-1)], from one drafter pass."""
     block = mx.concatenate([last, mx.full((n - 1,), drafter.mask_token_id, dtype=last.dtype)])
-    h = drafter(target.embed(block[None]), context, cache)
-    return mx.argmax(target.lm_head(h[:, 1:]), axis=-1)[0]
+    embeddings = target.embed(block[None])
+    if drafter.input_embedding_scale != 1.0:
+        embeddings = embeddings * drafter.input_embedding_scale
+    h = drafter(embeddings, context, cache)
+    return mx.argmax(drafter.compute_logits(target.lm_head(h[:, 1:])), axis=-1)[0]
 
 
 def _prefill(

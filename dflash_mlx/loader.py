@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -11,7 +12,7 @@ from mlx.utils import tree_map
 
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
-from .target import Target
+from .target import Target, check_model_type
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -66,6 +67,11 @@ def _load_target_model(path: Path) -> tuple[Any, Any]:
 
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path} is not a model folder: it has no config.json")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise DFlashError(f"{path / 'config.json'} is not a valid model config ({e})") from None
+    check_model_type(model_type)  # before reading gigabytes of weights
     try:
         return mlx_lm_load(str(path))
     except DFlashError:

@@ -5,6 +5,11 @@ own modules (embedding, decoder layers with the model's masks and caches, final
 norm, head) in the same order ``model(x)`` does, and keeps the outputs of the
 layers the drafter was trained on. Nothing is patched: two targets in one process
 are two independent adapters.
+
+Layers come in three kinds: full attention, sliding-window attention (gpt-oss,
+Llama configs with ``sliding_attention``) and GatedDeltaNet linear attention
+(Qwen3.5/3.6, Qwen3-Next). The last are run here step by step so that their
+recurrent state can be rolled back to any prefix of a verified block.
 """
 
 from __future__ import annotations
@@ -15,34 +20,90 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .caches import WindowKVCache
+from .caches import RecurrentCache, WindowKVCache
 from .errors import DFlashError
 
-# model_type values whose layer loop `_forward` reproduces exactly.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+# model_type values whose forward this adapter reproduces, each tested lossless.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+
+
+def check_model_type(model_type: Optional[str]) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"target architecture {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def _layer_kind(layer: nn.Module, layer_type: Optional[str]) -> str:
+    if getattr(layer, "is_linear", False):
+        return "linear"
+    if getattr(layer, "use_sliding", False) or layer_type == "sliding_attention":
+        return "sliding"
+    return "full"
+
+
+def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:
+    """mlx-lm's GatedDeltaNet forward (Qwen3.5 and Qwen3-Next layouts), leaving a replay in the cache."""
+    B, S, _ = x.shape
+    if hasattr(gdn, "in_proj_qkvz"):  # Qwen3-Next packs the projections
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    else:
+        mixed = gdn.in_proj_qkv(x)
+        z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+        b, a = gdn.in_proj_b(x), gdn.in_proj_a(x)
+    n_keep = gdn.conv_kernel_size - 1
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, gdn.conv_dim), dtype=x.dtype)
+    conv_input = mx.concatenate([conv_state, mixed], axis=1)
+    conv_out = nn.silu(gdn.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    old_state = cache[1]
+    use_kernel = not gdn.training
+    out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, old_state, None, use_kernel=use_kernel)
+
+    def replay(keep: int) -> tuple[mx.array, mx.array]:
+        if keep == 0:
+            return conv_state, old_state
+        _, kept = gated_delta_update(
+            q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
+            gdn.A_log, gdn.dt_bias, old_state, None, use_kernel=use_kernel,
+        )
+        return mx.contiguous(conv_input[:, keep : keep + n_keep]), kept
+
+    cache[0], cache[1] = mx.contiguous(conv_input[:, -n_keep:]), state
+    cache.replay, cache.last_update = replay, S
+    return gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
 
 
 class Target:
     """A loaded mlx-lm causal LM plus the layer ids whose outputs feed the drafter."""
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
-        model_type = getattr(model, "model_type", None) or model.args.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise DFlashError(
-                f"target architecture {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        lm = getattr(model, "language_model", model)  # Qwen3.5 wraps its text model
+        self.model_type = getattr(model, "model_type", None) or model.args.model_type
+        check_model_type(self.model_type)
         self.model = model
-        self.model_type = model_type
-        self.body = model.model
+        self.lm = lm
+        self.body = lm.model
+        layer_types = getattr(self.body, "layer_types", None) or [None] * len(self.body.layers)
+        self.kinds = [_layer_kind(layer, t) for layer, t in zip(self.body.layers, layer_types)]
+        self.sliding_window = getattr(self.body, "sliding_window", None) or getattr(self.body, "window_size", None)
         self.layer_ids = list(layer_ids)
         n = self.num_layers
         bad = [i for i in self.layer_ids if not 0 <= i < n]
         if bad:
             raise DFlashError(
-                f"drafter target_layer_ids {self.layer_ids} out of range for a "
-                f"{n}-layer target (bad: {bad})"
+                f"drafter target_layer_ids {self.layer_ids} out of range for a {n}-layer target (bad: {bad})"
             )
         self._capture = {i: k for k, i in enumerate(self.layer_ids)}
 
@@ -52,7 +113,7 @@ class Target:
 
     @property
     def hidden_size(self) -> int:
-        return self.model.args.hidden_size
+        return self.lm.args.hidden_size
 
     @property
     def vocab_size(self) -> int:
@@ -70,13 +131,15 @@ class Target:
         Without ``window`` full-attention layers keep everything (exact full
         attention). With it they keep ``sinks`` + the last ``window`` positions.
         Layers with their own sliding window keep theirs, in a cache that can
-        roll back (mlx-lm's RotatingKVCache cannot once it wraps).
+        roll back (mlx-lm's RotatingKVCache cannot once it wraps). Linear-attention
+        layers hold a fixed-size recurrent state whatever the window.
         """
-        own_window = getattr(self.body, "sliding_window", None)
         caches: list[Any] = []
-        for layer in self.body.layers:
-            if getattr(layer, "use_sliding", False):
-                caches.append(WindowKVCache(own_window, 0, slack))
+        for kind in self.kinds:
+            if kind == "linear":
+                caches.append(RecurrentCache())
+            elif kind == "sliding":
+                caches.append(WindowKVCache(self.sliding_window, 0, slack))
             elif window is not None:
                 caches.append(WindowKVCache(window, sinks, slack))
             else:
@@ -87,8 +150,8 @@ class Target:
         return self.body.embed_tokens(tokens)
 
     def lm_head(self, h: mx.array) -> mx.array:
-        if hasattr(self.model, "lm_head"):
-            return self.model.lm_head(h)
+        if hasattr(self.lm, "lm_head"):
+            return self.lm.lm_head(h)
         return self.body.embed_tokens.as_linear(h)
 
     def __call__(
@@ -100,17 +163,18 @@ class Target:
         position (prefill needs one next token, not L of them).
         """
         h = self.embed(tokens)
-        full_mask = create_attention_mask(h, cache[getattr(self.body, "fa_idx", 0)])
-        window = getattr(self.body, "sliding_window", None)
-        swa_idx = getattr(self.body, "swa_idx", None)
-        swa_mask = (
-            create_attention_mask(h, cache[swa_idx], window_size=window)
-            if swa_idx is not None
-            else None
-        )
+        masks: dict[str, Any] = {}
+        for i, kind in enumerate(self.kinds):
+            if kind not in masks:
+                window = self.sliding_window if kind == "sliding" else None
+                masks[kind] = None if kind == "linear" else create_attention_mask(h, cache[i], window_size=window)
         features: list[mx.array] = [None] * len(self.layer_ids)  # type: ignore[list-item]
-        for i, (layer, c) in enumerate(zip(self.body.layers, cache)):
-            h = layer(h, swa_mask if getattr(layer, "use_sliding", False) else full_mask, c)
+        for i, (layer, c, kind) in enumerate(zip(self.body.layers, cache, self.kinds)):
+            if kind == "linear":
+                h = h + _gated_delta_net(layer.linear_attn, layer.input_layernorm(h), c)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            else:
+                h = layer(h, masks[kind], c)
             if i in self._capture:
                 features[self._capture[i]] = h
         if last_logits_only:

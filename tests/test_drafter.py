@@ -26,7 +26,11 @@ def _rope(x, positions, base):
 
 
 def dense_reference(p: dict, args: DrafterArgs, feats: np.ndarray, block: np.ndarray) -> np.ndarray:
-    """[context ; block] concatenated explicitly, full softmax attention with no mask."""
+    """[context ; block] concatenated explicitly, softmax attention over all of it.
+
+    Full layers use no mask; sliding layers a causal band: query q sees keys k
+    with q - window < k <= q.
+    """
     C, L = len(feats), len(block)
     nh, nkv, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
     ctx = _rms(feats @ p["fc.weight"].T, p["hidden_norm.weight"])
@@ -42,8 +46,12 @@ def dense_reference(p: dict, args: DrafterArgs, feats: np.ndarray, block: np.nda
         k = _rope(k, np.arange(0, C + L, dtype=np.float64), args.rope_theta)
         rep = nh // nkv
         out = np.zeros((L, nh, hd))
+        window = args.layer_window(i)
+        qpos, kpos = np.arange(C, C + L)[:, None], np.arange(C + L)[None]
+        visible = (kpos <= qpos) & (qpos - kpos < window) if window else np.ones((L, C + L), bool)
         for head in range(nh):
             s = q[:, head] @ k[:, head // rep].T / np.sqrt(hd)
+            s = np.where(visible, s, -np.inf)
             s = np.exp(s - s.max(-1, keepdims=True))
             out[:, head] = (s / s.sum(-1, keepdims=True)) @ v[:, head // rep]
         h = h + out.reshape(L, nh * hd) @ w["self_attn.o_proj.weight"].T
@@ -99,6 +107,27 @@ def test_block_attention_is_not_causal(drafter):
     block[-1] += 1.0
     b = drafter(mx.array(block)[None], mx.array(feats)[None], drafter.make_cache())
     assert not np.allclose(np.array(a[0, 0]), np.array(b[0, 0]))
+
+
+@pytest.mark.parametrize("C", [9, 40])
+def test_sliding_layers_match_dense_reference_with_window_mask(C):
+    """Newer drafters: sliding_attention layers see only `sliding_window` positions, causally."""
+    config = fixtures.drafter_config(
+        fixtures.target_config(hidden_size=64, num_hidden_layers=6), 2, target_layer_ids=[1, 4],
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+    )
+    mx.random.seed(5)
+    model = Drafter(DrafterArgs.from_dict(config))
+    assert [layer.self_attn.causal for layer in model.layers] == [True, False]
+    feats, block = _inputs(4, C=C, L=5)
+    params = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(model.parameters())}
+    ref = dense_reference(params, model.args, feats.astype(np.float64), block.astype(np.float64))
+    out = model(mx.array(block)[None], mx.array(feats)[None], model.make_cache())
+    np.testing.assert_allclose(np.array(out[0]), ref, rtol=2e-4, atol=2e-4)
+    # The window changes the result: a full-attention reading of the same weights differs.
+    full = dense_reference(params, DrafterArgs.from_dict(dict(config, layer_types=["full_attention"] * 2)),
+                           feats.astype(np.float64), block.astype(np.float64))
+    assert not np.allclose(full, ref, atol=1e-3)
 
 
 @pytest.mark.parametrize(

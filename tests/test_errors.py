@@ -76,9 +76,15 @@ def test_corrupt_weights(tmp_path, models_dir):
     _expect(models_dir, draft, "corrupt or not a safetensors file")
 
 
-def test_weights_not_matching_config(tmp_path, models_dir):
-    draft = _broken_drafter(tmp_path, models_dir, lambda c: c.update(num_hidden_layers=2))
+@pytest.mark.parametrize("edit", [dict(num_hidden_layers=2, layer_types=["full_attention"] * 2), dict(intermediate_size=100)])
+def test_weights_not_matching_config(tmp_path, models_dir, edit):
+    draft = _broken_drafter(tmp_path, models_dir, lambda c: c.update(edit))
     _expect(models_dir, draft, "do not match its config")
+
+
+def test_inconsistent_layer_types(tmp_path, models_dir):
+    draft = _broken_drafter(tmp_path, models_dir, lambda c: c.update(num_hidden_layers=2))
+    _expect(models_dir, draft, "layer_types lists 1 layers, config has 2")
 
 
 def test_not_a_drafter(models_dir):

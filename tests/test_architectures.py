@@ -1,0 +1,127 @@
+"""Every architecture of the published drafters' targets: lossless, built and loaded from disk."""
+
+from __future__ import annotations
+
+import collections
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import MAX_TOKENS, PROMPTS
+from helpers import plain_greedy
+
+from dflash_mlx import DFlashError, fixtures, generate, load
+from dflash_mlx.caches import RecurrentCache
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+ARCHS = {
+    "qwen3_5": {},
+    "qwen3_5_moe": {},
+    "qwen3_moe": {},
+    "qwen3_next": {},
+    "gpt_oss": {},  # sliding window 8, far smaller than the generation
+    "llama": {"rope_scaling": LLAMA3_SCALING},
+}
+
+
+@pytest.fixture(scope="module")
+def arch_pairs(tmp_path_factory) -> dict:
+    """Per architecture: a varied target with a random drafter, and a looping target with a drafter of its loop token."""
+    root = tmp_path_factory.mktemp("archs")
+    pairs = {}
+    for name, extra in ARCHS.items():
+        config = fixtures.target_config(name, **extra)
+        draft_config = fixtures.drafter_config(config, 2, target_layer_ids=[0, 2])
+        fixtures.write_target(root / name, config, seed=7)
+        fixtures.write_drafter(root / f"{name}-random", draft_config)
+        pairs[name, "random"] = load(str(root / f"{name}-random"), str(root / name))
+
+        fixtures.write_target(root / f"{name}-loop", config, seed=7, init_scale=1.0)
+        target, _, tokenizer = load(str(root / f"{name}-random"), str(root / f"{name}-loop"))
+        ref = plain_greedy(target.model, tokenizer.encode(PROMPTS[1]), MAX_TOKENS)
+        token = collections.Counter(ref).most_common(1)[0][0]
+        fixtures.write_constant_drafter(root / f"{name}-constant", draft_config, root / f"{name}-loop", token)
+        pairs[name, "constant"] = load(str(root / f"{name}-constant"), str(root / f"{name}-loop"))
+    return pairs
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_lossless_with_random_drafter(arch_pairs, name, block_size):
+    """Most blocks are rejected at once: many cycles, every rollback path from the first token."""
+    target, drafter, tokenizer = arch_pairs[name, "random"]
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt)
+        ref = plain_greedy(target.model, ids, MAX_TOKENS)
+        out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[])
+        assert out.tokens == ref, f"{name} B={block_size} {prompt!r}"
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_lossless_with_accepted_drafts(arch_pairs, name, block_size):
+    target, drafter, tokenizer = arch_pairs[name, "constant"]
+    ids = tokenizer.encode(PROMPTS[1])
+    ref = plain_greedy(target.model, ids, MAX_TOKENS)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[])
+    assert out.tokens == ref
+    assert max(out.acceptance) >= 1  # some blocks were partly accepted, so rollbacks kept a prefix
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_recurrent_rollback_equals_fresh_run(arch_pairs, name):
+    """After verifying 16 tokens and keeping k, every layer's state equals a run over just those k."""
+    target, _, _ = arch_pairs[name, "random"]
+    prompt = mx.array([[5, 9, 17, 33, 2, 71]])
+    block = mx.array([[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55]])
+    for keep in range(0, 17):
+        verified = target.make_cache()
+        target(prompt, verified)
+        target(block, verified)
+        target.rollback(verified, 16 - keep)
+        fresh = target.make_cache()
+        target(prompt, fresh)
+        if keep:
+            target(block[:, :keep], fresh)
+        for a, b in zip(verified, fresh):
+            if isinstance(a, RecurrentCache):
+                for x, y in zip(a.cache, b.cache):
+                    np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5)
+            else:
+                assert a.offset == b.offset
+        # And the next step from the rolled-back state gives the same logits.
+        nxt = mx.array([[60, 61]])
+        np.testing.assert_allclose(np.array(target(nxt, verified)[0]), np.array(target(nxt, fresh)[0]), rtol=1e-4, atol=1e-4)
+    assert any(isinstance(c, RecurrentCache) for c in verified)
+
+
+def test_gpt_oss_sliding_layers_roll_back(arch_pairs):
+    """gpt-oss keeps its own 8-token window (in a cache that can roll back), even with a larger user window."""
+    target, drafter, tokenizer = arch_pairs["gpt_oss", "random"]
+    assert target.kinds == ["sliding", "full"] * 2 and target.sliding_window == 8
+    caches = target.make_cache(window=64, slack=16)
+    assert [getattr(c, "window", None) for c in caches] == [8, 64, 8, 64]
+    ids = tokenizer.encode(PROMPTS[0])
+    ref = plain_greedy(target.model, ids, MAX_TOKENS, prompt_cache=target.make_cache(64, 0, 1))
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=16, eos_token_ids=[], window=64)
+    assert out.tokens == ref
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
+def test_logits_equal_model_forward(arch_pairs, name):
+    target, _, _ = arch_pairs[name, "random"]
+    tokens = mx.array([[5, 17, 42, 99, 3, 250, 7]])
+    ours, theirs = target.make_cache(), target.model.make_cache()
+    for chunk in (tokens[:, :4], tokens[:, 4:]):
+        np.testing.assert_allclose(
+            np.array(target(chunk, ours)[0]), np.array(target.model(chunk, cache=theirs)), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_unsupported_architecture_is_named(tmp_path, models_dir):
+    config = fixtures.target_config("qwen3")
+    fixtures.write_target(tmp_path / "t", config)
+    (tmp_path / "t" / "config.json").write_text((tmp_path / "t" / "config.json").read_text().replace('"qwen3"', '"deepseek_v3"'))
+    with pytest.raises(DFlashError, match=r"'deepseek_v3' is not supported; supported: .*qwen3_5.*gpt_oss"):
+        load(str(models_dir / "qwen3-dflash"), str(tmp_path / "t"))
