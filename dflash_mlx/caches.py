@@ -194,15 +194,18 @@ class RecurrentCache(ArraysCache):
     """Conv and SSM state of a GatedDeltaNet layer, able to undo the tail of its last update.
 
     mlx-lm's ArraysCache cannot be trimmed. The layer's forward (see target.py)
-    leaves a ``replay(keep)`` function here that rebuilds the state after only the
-    first ``keep`` tokens of the update, from the inputs the recurrence already
-    had: the conv state is a slice of the conv input, and the SSM state reruns
-    the recurrence from the previous state over ``keep`` tokens, never the
-    projections.
+    leaves a ``replay(keep)`` function here that gives the state after only the
+    first ``keep`` tokens of the update, from what the verify already computed:
+    the conv state is a slice of the conv input; the SSM state is either the
+    per-step state the verify kept (``step_states``, for updates of at most
+    ``slack`` tokens) or the recurrence rerun over ``keep`` tokens from the
+    previous state. Never the projections.
     """
 
-    def __init__(self):
+    def __init__(self, slack: int = 16, step_states: bool = True):
         super().__init__(size=2)
+        self.slack = slack
+        self.step_states = step_states
         self.replay: Optional[Callable[[int], tuple[mx.array, mx.array]]] = None
         self.last_update = 0
 

@@ -44,6 +44,11 @@ def _layer_kind(layer: nn.Module, layer_type: Optional[str]) -> str:
     return "full"
 
 
+def _fused_recurrence() -> bool:
+    """Whether gated_delta_update runs mlx-lm's fused Metal kernel here (GPU default device)."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
 def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:
     """mlx-lm's GatedDeltaNet forward (Qwen3.5 and Qwen3-Next layouts), leaving a replay in the cache."""
     B, S, _ = x.shape
@@ -68,16 +73,29 @@ def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.a
     ]
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
     old_state = cache[1]
-    use_kernel = not gdn.training
-    out, state = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, old_state, None, use_kernel=use_kernel)
+
+    def recurrence(end: int, state: Optional[mx.array], start: int = 0) -> tuple[mx.array, mx.array]:
+        s = slice(start, end)
+        return gated_delta_update(
+            q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
+        )
+
+    if cache.step_states and S <= cache.slack:
+        # One token at a time: what mlx-lm's ops path does anyway, keeping each state.
+        outs, steps, state = [], [], old_state
+        for t in range(S):
+            o, state = recurrence(t + 1, state, start=t)
+            outs.append(o)
+            steps.append(state)
+        out = mx.concatenate(outs, axis=1)
+    else:
+        out, state = recurrence(S, old_state)
+        steps = []
 
     def replay(keep: int) -> tuple[mx.array, mx.array]:
         if keep == 0:
             return conv_state, old_state
-        _, kept = gated_delta_update(
-            q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep],
-            gdn.A_log, gdn.dt_bias, old_state, None, use_kernel=use_kernel,
-        )
+        kept = steps[keep - 1] if steps else recurrence(keep, old_state)[1]
         return mx.contiguous(conv_input[:, keep : keep + n_keep]), kept
 
     cache[0], cache[1] = mx.contiguous(conv_input[:, -n_keep:]), state
@@ -137,7 +155,7 @@ class Target:
         caches: list[Any] = []
         for kind in self.kinds:
             if kind == "linear":
-                caches.append(RecurrentCache())
+                caches.append(RecurrentCache(slack, step_states=not _fused_recurrence()))
             elif kind == "sliding":
                 caches.append(WindowKVCache(self.sliding_window, 0, slack))
             elif window is not None:

@@ -70,13 +70,21 @@ def test_lossless_with_accepted_drafts(arch_pairs, name, block_size):
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
-def test_recurrent_rollback_equals_fresh_run(arch_pairs, name):
-    """After verifying 16 tokens and keeping k, every layer's state equals a run over just those k."""
+@pytest.mark.parametrize("step_states", [True, False], ids=["per-step", "replay"])
+def test_recurrent_rollback_equals_fresh_run(arch_pairs, name, step_states):
+    """After verifying 16 tokens and keeping k, every layer's state equals a run over just those k.
+
+    Both methods: the per-step states the verify kept (CPU), and rerunning the
+    recurrence over the kept tokens (what the fused Metal kernel path uses).
+    """
     target, _, _ = arch_pairs[name, "random"]
     prompt = mx.array([[5, 9, 17, 33, 2, 71]])
     block = mx.array([[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55]])
     for keep in range(0, 17):
         verified = target.make_cache()
+        for c in verified:
+            if isinstance(c, RecurrentCache):
+                c.step_states = step_states
         target(prompt, verified)
         target(block, verified)
         target.rollback(verified, 16 - keep)
