@@ -13,23 +13,19 @@ expected to beat plain decoding here; the overhead ratio is the number to watch.
 
 from __future__ import annotations
 
-from dflash_mlx.system import blas_library, is_reference_blas, machine_description, reexec_with_openblas
-
-reexec_with_openblas()  # before any work: it may restart this process
+from common import build_models, plain, print_machine, prompt_ids  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step, generation_stream  # noqa: E402
+from mlx_lm.generate import generation_stream  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx import fixtures  # noqa: E402
 from dflash_mlx.target import Target  # noqa: E402
+
 
 def median_time(fn, reps: int = 20) -> float:
     fn()

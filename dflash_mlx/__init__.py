@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
-from .generate import GenerationResponse, GenerationResult, generate, stream_generate
+from .generate import DFlashCache, GenerationResponse, GenerationResult, generate, make_cache, stream_generate
 from .loader import load
 from .target import Target
 
@@ -14,6 +14,7 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
 __all__ = [
+    "DFlashCache",
     "DFlashError",
     "Drafter",
     "GenerationResponse",
@@ -23,5 +24,6 @@ __all__ = [
     "generate",
     "load",
     "load_drafter",
+    "make_cache",
     "stream_generate",
 ]

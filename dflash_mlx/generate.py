@@ -20,6 +20,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from .caches import check_window
 from .drafter import Drafter
 from .errors import DFlashError
+from .sampling import Sampling, verify_match, verify_rejection
 from .target import Target
 
 Prompt = Union[str, Sequence[int], mx.array]
@@ -34,7 +35,8 @@ class GenerationResponse:
     accepted: int  # drafted tokens the target agreed with in this cycle
     drafted: list[int]  # what the drafter proposed this cycle (empty for the prefill token)
     prompt_tokens: int
-    prompt_tps: float
+    prompt_cached: int  # prompt tokens reused from the cache, not prefilled
+    prompt_tps: float  # prefilled tokens per second
     generation_tokens: int
     generation_tps: float  # tokens after the first, per second after the first
     peak_memory: float  # GB
@@ -48,11 +50,13 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: Optional[str]
     prompt_tokens: int
+    prompt_cached: int
     prompt_tps: float
     generation_tokens: int
     generation_tps: float
     peak_memory: float
     acceptance: list[int] = field(default_factory=list)  # accepted drafts, per cycle
+    drafted: list[int] = field(default_factory=list)  # drafts proposed, per cycle
 
     @property
     def cycles(self) -> int:
@@ -62,6 +66,11 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean tokens per verify cycle, the target's own (bonus) token included."""
         return sum(a + 1 for a in self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens the target accepted."""
+        return sum(self.acceptance) / sum(self.drafted) if sum(self.drafted) else 0.0
 
     @property
     def histogram(self) -> list[int]:
@@ -77,6 +86,7 @@ class GenerationResult:
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
+            "prompt_cached": self.prompt_cached,
             "prompt_tps": self.prompt_tps,
             "generation_tokens": self.generation_tokens,
             "generation_tps": self.generation_tps,
@@ -84,6 +94,7 @@ class GenerationResult:
             "cycles": self.cycles,
             "tau": self.tau,
             "acceptance_histogram": self.histogram,
+            "acceptance_rate": self.acceptance_rate,
         }
 
 
@@ -110,48 +121,123 @@ def _cut(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int]
     return tokens, None
 
 
-def _draft(target: Target, drafter: Drafter, last: mx.array, context: mx.array, cache: list, n: int) -> mx.array:
-    """n - 1 draft tokens for the block [last, MASK x (n-1)], from one drafter pass."""
+def _draft_logits(target: Target, drafter: Drafter, last: mx.array, context: mx.array, cache: list, n: int) -> mx.array:
+    """Logits [n-1, V] for the block [last, MASK x (n-1)], from one drafter pass."""
     block = mx.concatenate([last, mx.full((n - 1,), drafter.mask_token_id, dtype=last.dtype)])
     embeddings = target.embed(block[None])
     if drafter.input_embedding_scale != 1.0:
         embeddings = embeddings * drafter.input_embedding_scale
     h = drafter(embeddings, context, cache)
-    return mx.argmax(drafter.compute_logits(target.lm_head(h[:, 1:])), axis=-1)[0]
+    return drafter.compute_logits(target.lm_head(h[:, 1:]))[0]
+
+
+def _cycle(
+    target: Target,
+    drafter: Drafter,
+    sampling: Sampling,
+    last: mx.array,
+    context: Optional[mx.array],
+    caches: tuple[list, list],
+    n: int,
+    key: Optional[mx.array],
+) -> tuple[Optional[mx.array], mx.array, mx.array, mx.array]:
+    """One draft + verify graph: (drafts, accept per draft, token to emit per stop position, features)."""
+    target_cache, draft_cache = caches
+    drafted = q = None
+    if key is not None:
+        k_draft, k_verify = mx.random.split(key)
+    if n > 1:
+        draft_logits = _draft_logits(target, drafter, last, context, draft_cache, n)
+        if sampling.greedy:
+            drafted = mx.argmax(draft_logits, axis=-1)
+        else:
+            q = sampling.logprobs(draft_logits)
+            drafted = mx.random.categorical(q, key=k_draft)
+    block = last if drafted is None else mx.concatenate([last, drafted])
+    logits, features = target(block[None], target_cache)
+    if sampling.greedy:
+        stops = mx.argmax(logits[0], axis=-1)
+        accept = drafted == stops[:-1] if drafted is not None else None
+    else:
+        p = sampling.logprobs(logits[0])
+        if drafted is None:
+            accept, stops = None, mx.random.categorical(p, key=k_verify)
+        elif sampling.verify == "match":
+            accept, stops = verify_match(drafted, p, k_verify)
+        else:
+            accept, stops = verify_rejection(drafted, q, p, k_verify)
+    return drafted, accept, stops, features
 
 
 def _prefill(
     target: Target,
-    drafter: Optional[Drafter],
+    drafter: Drafter,
     prompt: list[int],
-    target_cache: list,
-    draft_cache: list,
+    cache: "DFlashCache",
     chunk: int,
     progress: Callable[[int, int], None],
-) -> tuple[mx.array, Optional[mx.array]]:
-    """Run the prompt through the target in chunks; return the next token and the pending context.
+    sampling: Sampling,
+    key: Optional[mx.array],
+) -> mx.array:
+    """Run ``prompt`` (the tokens the cache lacks) through the target in chunks; return the next token.
 
     Each chunk's attention sees only what the caches keep, so no prompt-sized mask
     is ever built. Features of all chunks but the last go straight into the
-    drafter's context cache (windowed like the target's); the last chunk's are
-    handed to the first draft.
+    drafter's context cache (windowed like the target's); the last chunk's stay
+    pending in ``cache.context`` for the first draft.
     """
     total = len(prompt)
     progress(0, total)
     for start in range(0, total, chunk):
         ids = mx.array(prompt[start : start + chunk])[None]
         with mx.stream(generation_stream):
-            logits, features = target(ids, target_cache, last_logits_only=True)
+            if cache.context is not None:
+                drafter.add_context(cache.context, cache.drafter)
+            logits, features = target(ids, cache.target, last_logits_only=True)
+            cache.context = features if cache.drafter else None
             if start + chunk < total:
-                if drafter is not None:
-                    drafter.add_context(features, draft_cache)
-                mx.eval([c.state for c in target_cache + draft_cache])
+                mx.eval([c.state for c in cache.target + cache.drafter])
         progress(min(start + chunk, total), total)
+    cache.tokens.extend(prompt)
     with mx.stream(generation_stream):
-        last = mx.argmax(logits[0], axis=-1)
-    mx.eval(last, features)
+        logits = logits[0, -1:]
+        last = mx.argmax(logits, axis=-1) if key is None else mx.random.categorical(sampling.logprobs(logits), key=key)
+    mx.eval([x for x in (last, cache.context) if x is not None])
     mx.clear_cache()  # prefill's temporaries are the largest buffers of the run
-    return last, features if drafter is not None else None
+    return last
+
+
+@dataclass
+class DFlashCache:
+    """Target and drafter caches that outlive one generation.
+
+    Pass the same cache to successive calls of :func:`stream_generate` (a chat) and
+    each call prefills only the prompt tokens the cache does not already hold.
+    """
+
+    target: list
+    drafter: list
+    settings: tuple  # (window, sinks, block_size) the caches were built for
+    tokens: list[int] = field(default_factory=list)  # what the target cache holds, in order
+    context: Optional[mx.array] = None  # features of cached tokens the drafter has not seen yet
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.target + self.drafter)
+
+
+def make_cache(
+    target: Target, drafter: Drafter, window: Optional[int] = None, sinks: int = 0, block_size: Optional[int] = None
+) -> DFlashCache:
+    """Empty caches for generations with these settings (see :func:`stream_generate`)."""
+    block_size = drafter.block_size if block_size is None else block_size
+    if window is not None:
+        check_window(window, sinks, block_size)
+    return DFlashCache(
+        target=target.make_cache(window, sinks, slack=block_size),
+        drafter=drafter.make_cache(window, sinks, block_size) if block_size > 1 else [],
+        settings=(window, sinks, block_size),
+    )
 
 
 class _Cycle(NamedTuple):
@@ -165,51 +251,59 @@ class _Cycle(NamedTuple):
 def _decode(
     target: Target,
     drafter: Drafter,
+    cache: DFlashCache,
     prompt: list[int],
     max_tokens: int,
-    block_size: int,
     eos: frozenset[int],
-    window: Optional[int],
-    sinks: int,
     prefill_step_size: int,
     progress: Callable[[int, int], None],
+    sampling: Sampling,
 ) -> Iterator[_Cycle]:
-    """Yield each cycle's outcome, the prefill's token first."""
-    target_cache = target.make_cache(window, sinks, slack=block_size)
-    draft_cache = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
-    last, context = _prefill(
-        target, drafter if block_size > 1 else None, prompt, target_cache, draft_cache, prefill_step_size, progress
-    )
-    pending, reason = _cut(last.tolist(), eos, max_tokens)
+    """Yield each cycle's outcome, the prefill's token first.
+
+    On return ``cache`` holds exactly the prompt and the emitted tokens, except a
+    last token the target has not consumed yet (the next prompt supplies it).
+    """
+    block_size = cache.settings[2]
+    key = None if sampling.greedy else sampling.key()
+    if key is not None:
+        key, first_key = mx.random.split(key)
+    last = _prefill(target, drafter, prompt, cache, prefill_step_size, progress, sampling,
+                    None if key is None else first_key)
+    last_id = last.item()
+    pending, reason = _cut([last_id], eos, max_tokens)
     draft_tokens: list[int] = []
     accepted, emitted = 0, len(pending)
     while True:
         if reason is None:
             n = min(block_size, max_tokens - emitted)
+            if key is not None:
+                key, cycle_key = mx.random.split(key)
             with mx.stream(generation_stream):
-                if n > 1:
-                    drafted = _draft(target, drafter, last, context, draft_cache, n)
-                    block = mx.concatenate([last, drafted])
-                else:
-                    drafted, block = None, last
-                logits, features = target(block[None], target_cache)
-                verified = mx.argmax(logits[0], axis=-1)
-            mx.async_eval(verified, drafted) if drafted is not None else mx.async_eval(verified)
+                drafted, accept, stops, features = _cycle(
+                    target, drafter, sampling, last, cache.context, (cache.target, cache.drafter), n,
+                    None if key is None else cycle_key,
+                )
+            mx.async_eval([x for x in (drafted, accept, stops) if x is not None])
         # The caller's work on these tokens overlaps the cycle computing above.
-        yield _Cycle(pending, draft_tokens, accepted, reason, sum(c.nbytes for c in target_cache + draft_cache))
+        yield _Cycle(pending, draft_tokens, accepted, reason, cache.nbytes)
         if reason is not None:
             return
-        target_tokens = verified.tolist()  # the one host read per cycle
+        stop_tokens = stops.tolist()  # the one host read per cycle (the rest is ready with it)
         draft_tokens = drafted.tolist() if drafted is not None else []
+        accepts = accept.tolist() if accept is not None else []
         accepted = 0
-        while accepted < len(draft_tokens) and draft_tokens[accepted] == target_tokens[accepted]:
+        while accepted < len(accepts) and accepts[accepted]:
             accepted += 1
-        Target.rollback(target_cache, n - accepted - 1)
-        last = verified[accepted : accepted + 1]
-        if block_size > 1:
-            context = features[:, : accepted + 1]
-        pending, reason = _cut(target_tokens[: accepted + 1], eos, max_tokens - emitted)
+        pending, reason = _cut(draft_tokens[:accepted] + [stop_tokens[accepted]], eos, max_tokens - emitted)
         emitted += len(pending)
+        # Keep [last] + accepted drafts in the caches, but no EOS draft nor what follows it.
+        keep = min(accepted, len(pending)) + 1
+        Target.rollback(cache.target, n - keep)
+        cache.tokens.extend([last_id] + draft_tokens[: keep - 1])
+        cache.context = features[:, :keep] if cache.drafter else None
+        last = stops[accepted : accepted + 1]
+        last_id = stop_tokens[accepted]
 
 
 @contextlib.contextmanager
@@ -234,12 +328,27 @@ def stream_generate(
     sinks: int = 0,
     prefill_step_size: Optional[int] = None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: Optional[int] = None,
+    verify: str = "rejection",
+    cache: Optional[DFlashCache] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
-    The output equals the target's own greedy decoding (under the same attention
-    window, if any) token for token. Generation stops after ``max_tokens`` tokens
-    or before the first EOS token (not emitted).
+    At ``temperature`` 0 the output equals the target's own greedy decoding (under
+    the same attention window, if any) token for token. Above it, tokens are drawn
+    from the target's distribution after mlx-lm's ``top_p``/``min_p``/``top_k``
+    filters, exactly: ``verify="rejection"`` (speculative sampling) or ``"match"``
+    (keep drafts equal to target samples; accepts less). ``seed`` makes a run
+    reproducible. Generation stops after ``max_tokens`` tokens or before the first
+    EOS token (not emitted).
+
+    ``cache`` (from :func:`make_cache`, same window and block size) carries the
+    caches across calls: when its tokens begin the new prompt, only the rest is
+    prefilled (``GenerationResponse.prompt_cached`` counts the reused tokens).
 
     ``window`` bounds memory for long contexts: full-attention layers and the
     drafter's context keep ``sinks`` first positions plus the last ``window``.
@@ -249,6 +358,7 @@ def stream_generate(
     positions, so small chunks keep a long prompt's peak memory within a few
     percent of a prompt that just fills the window.
     """
+    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
     block_size = drafter.block_size if block_size is None else block_size
     if not isinstance(block_size, int) or block_size < 1:
         raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -262,6 +372,19 @@ def stream_generate(
         raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     ids = encode_prompt(tokenizer, prompt)
     eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    if cache is None:
+        cache = make_cache(target, drafter, window, sinks, block_size)
+    elif cache.settings != (window, sinks, block_size):
+        raise DFlashError(
+            f"cache was made for (window, sinks, block_size) = {cache.settings}, "
+            f"this call uses {(window, sinks, block_size)}"
+        )
+    reused = len(cache.tokens)
+    if not (0 < reused < len(ids) and ids[:reused] == cache.tokens):
+        # A different history (or nothing new to prefill): start from empty caches.
+        fresh = make_cache(target, drafter, window, sinks, block_size)
+        cache.target, cache.drafter, cache.tokens, cache.context = fresh.target, fresh.drafter, [], None
+        reused = 0
     detokenizer = tokenizer.detokenizer
 
     mx.reset_peak_memory()
@@ -270,13 +393,13 @@ def stream_generate(
     with wired_limit(target.model, [generation_stream]), _release_buffers():
         for i, cycle in enumerate(
             _decode(
-                target, drafter, ids, max_tokens, block_size, eos, window, sinks, prefill_step_size,
-                prompt_progress_callback or (lambda done, total: None),
+                target, drafter, cache, ids[reused:], max_tokens, eos, prefill_step_size,
+                prompt_progress_callback or (lambda done, total: None), sampling,
             )
         ):
             now = time.perf_counter()
             if i == 0:
-                prompt_tps = len(ids) / (now - tic)
+                prompt_tps = (len(ids) - reused) / (now - tic)
                 first_time = now
             generated += len(cycle.tokens)
             for t in cycle.tokens:
@@ -290,6 +413,7 @@ def stream_generate(
                 accepted=cycle.accepted,
                 drafted=cycle.drafted,
                 prompt_tokens=len(ids),
+                prompt_cached=reused,
                 prompt_tps=prompt_tps,
                 generation_tokens=generated,
                 generation_tps=(generated - 1) / elapsed if elapsed > 0 and generated > 1 else 0.0,
@@ -314,6 +438,7 @@ def generate(
     text: list[str] = []
     tokens: list[int] = []
     acceptance: list[int] = []
+    drafted: list[int] = []
     response = None
     for i, response in enumerate(stream_generate(target, drafter, tokenizer, prompt, **kwargs)):
         if on_response is not None:
@@ -322,15 +447,18 @@ def generate(
         tokens.extend(response.tokens)
         if i > 0:  # the first response is the prefill's token, not a verify cycle
             acceptance.append(response.accepted)
+            drafted.append(len(response.drafted))
     assert response is not None
     return GenerationResult(
         text="".join(text),
         tokens=tokens,
         finish_reason=response.finish_reason,
         prompt_tokens=response.prompt_tokens,
+        prompt_cached=response.prompt_cached,
         prompt_tps=response.prompt_tps,
         generation_tokens=response.generation_tokens,
         generation_tps=response.generation_tps,
         peak_memory=response.peak_memory,
         acceptance=acceptance,
+        drafted=drafted,
     )

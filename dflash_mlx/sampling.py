@@ -1,0 +1,101 @@
+"""Sampling at temperature > 0 that keeps the target's exact output distribution.
+
+The transforms (temperature, top-p, min-p, top-k) mean what they mean in mlx-lm's
+sampler: the filters act on the untempered log-probabilities, then the survivors
+are sampled at the temperature. Draft and target distributions go through the same
+transforms, and verification is speculative sampling (Leviathan et al. 2023; Chen
+et al. 2023) adapted to a block: draft token i is kept with probability
+min(1, p/q); at the first rejection a token is drawn from the normalised residual
+max(0, p - q); a fully accepted block adds a bonus token drawn from p. The emitted
+sequence is distributed exactly as the target's own sampling.
+
+``verify="match"`` is the simpler exact scheme of the reference implementations:
+sample the target, keep drafts only while they equal those samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .errors import DFlashError
+
+VERIFY_MODES = ("rejection", "match")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    verify: str = "rejection"
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DFlashError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise DFlashError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.verify not in VERIFY_MODES:
+            raise DFlashError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def key(self) -> mx.array:
+        """The generation's PRNG key: from ``seed``, or fresh each run."""
+        return mx.random.key(self.seed if self.seed is not None else time.time_ns() % 2**63)
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Normalised log-probabilities of the distribution tokens are drawn from (last axis)."""
+        x = logits.astype(mx.float32)
+        x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if self.top_p < 1:
+            x = apply_top_p(x, self.top_p)
+        if self.min_p > 0:
+            x = apply_min_p(x, self.min_p)
+        if 0 < self.top_k < x.shape[-1]:
+            x = apply_top_k(x, self.top_k)
+        x = x / self.temperature
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def verify_rejection(
+    drafted: mx.array, q: mx.array, p: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Speculative-sampling verification of one block, all on device.
+
+    ``drafted`` [n-1] were drawn from ``q`` [n-1, V] (log-probs); ``p`` [n, V] are the
+    target's log-probs at each block position. Returns, per draft position, whether
+    it is accepted, and per block position the token to emit if verification stops
+    there: a residual sample before the end, a sample of p at the end. The host
+    reads both once and takes the first rejection.
+    """
+    k_accept, k_resid = mx.random.split(key)
+    n = p.shape[0]
+    p_draft = mx.take_along_axis(p[:-1], drafted[:, None], axis=-1)[:, 0]
+    q_draft = mx.take_along_axis(q, drafted[:, None], axis=-1)[:, 0]
+    u = mx.random.uniform(shape=(n - 1,), key=k_accept)
+    accept = mx.log(u) + q_draft < p_draft  # u < p/q, in log space
+    residual = mx.maximum(mx.exp(p[:-1]) - mx.exp(q), 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    # Where p <= q everywhere (p == q), rejection has probability 0: fall back to p.
+    residual = mx.where(mass > 0, mx.log(residual) - mx.log(mx.maximum(mass, 1e-30)), p[:-1])
+    stops = mx.random.categorical(mx.concatenate([residual, p[-1:]]), key=k_resid)
+    return accept, stops
+
+
+def verify_match(drafted: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """Exact-match verification: sample the target at every position, keep equal drafts."""
+    sampled = mx.random.categorical(p, key=key)
+    return drafted == sampled[:-1], sampled

@@ -1,0 +1,212 @@
+"""Sampling at temperature > 0: the output distribution is the target's own, and rejection accepts more."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import MAX_TOKENS, PROMPTS
+from helpers import plain_greedy
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from typer.testing import CliRunner
+
+from dflash_mlx import DFlashError, fixtures, generate, load
+from dflash_mlx.cli import app
+from dflash_mlx.sampling import Sampling, verify_match, verify_rejection
+
+SAMPLES = 1500
+GENERATED = 3
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A target whose next-token distributions sit on a handful of tokens (few cells to compare),
+    with a random drafter and one biased towards the target's likely tokens."""
+    root = tmp_path_factory.mktemp("peaked")
+    config = fixtures.target_config("qwen3", num_hidden_layers=2)
+    fixtures.write_target(root / "target", config, seed=3, init_scale=16.0)
+    draft_config = fixtures.drafter_config(config, 1, target_layer_ids=[1])
+    fixtures.write_drafter(root / "random", draft_config)
+    target, _, tokenizer = load(str(root / "random"), str(root / "target"))
+    ids = tokenizer.encode("hi")
+    # Draft the token the target itself most often samples second: drafts get accepted often.
+    seconds = [t[1] for t in _plain_samples(target.model, ids, make_sampler(temp=1.0), 200)]
+    common = collections.Counter(seconds).most_common(1)[0][0]
+    fixtures.write_constant_drafter(root / "biased", draft_config, root / "target", common)
+    return {name: load(str(root / name), str(root / "target")) for name in ("random", "biased")}, ids
+
+
+def _plain_samples(model, ids, sampler, n):
+    out = []
+    for i in range(n):
+        mx.random.seed(100_000 + i)
+        out.append(tuple(int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=GENERATED, sampler=sampler)))
+    return out
+
+
+def _chi_square_same(a: list, b: list, alpha_z: float = 3.09) -> tuple[float, float]:
+    """Two-sample chi-square homogeneity statistic and its critical value (alpha 0.001, Wilson-Hilferty)."""
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    cells = collections.Counter()
+    for key in set(ca) | set(cb):
+        cells[key if ca[key] + cb[key] >= 10 else "other"] += 0
+    table = {k: [0, 0] for k in cells}
+    for key in set(ca) | set(cb):
+        k = key if ca[key] + cb[key] >= 10 else "other"
+        table[k][0] += ca[key]
+        table[k][1] += cb[key]
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in table.values():
+        total = x + y
+        ea, eb = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = max(1, len(table) - 1)
+    critical = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, critical
+
+
+@pytest.mark.parametrize("drafter_name", ["random", "biased"])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)], ids=["t1", "top_p0.9"])
+def test_output_distribution_equals_plain_sampling(peaked, drafter_name, settings):
+    pairs, ids = peaked
+    target, drafter, tokenizer = pairs[drafter_name]
+    sampler = make_sampler(temp=settings["temperature"], top_p=settings.get("top_p", 0.0))
+    plain = _plain_samples(target.model, ids, sampler, SAMPLES)
+    ours, accepted = [], 0
+    for i in range(SAMPLES):
+        out = generate(target, drafter, tokenizer, ids, max_tokens=GENERATED, block_size=4, eos_token_ids=[], seed=i, **settings)
+        ours.append(tuple(out.tokens))
+        accepted += sum(out.acceptance)
+    stat, critical = _chi_square_same(ours, plain)
+    assert len(set(plain)) > 5  # a real distribution, not a single sequence
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+    if drafter_name == "biased":
+        assert accepted > SAMPLES // 4  # the accept path is exercised, not only the residual one
+
+
+@pytest.mark.parametrize("drafter_name", ["random", "biased"])
+def test_rejection_accepts_at_least_as_much_as_match(peaked, drafter_name):
+    """Expected accepted drafts per position from the pair's own p and q, and our verifiers agree with them.
+
+    For a draft x ~ q, speculative sampling accepts with min(1, p/q), exact match
+    with p(x): expectations sum(min(p, q)) and sum(p q). The verifiers, run on many
+    independent positions at a fixed key, must realise those rates.
+    """
+    pairs, ids = peaked
+    target, drafter, tokenizer = pairs[drafter_name]
+    sampling = Sampling(temperature=1.0)
+    from dflash_mlx.generate import _draft_logits
+
+    seq = plain_greedy(target.model, ids, 40)
+    rej, match = [], []
+    for k in range(0, 40, 4):
+        context = ids + seq[:k]
+        cache = target.make_cache()
+        logits, feats = target(mx.array(context)[None], cache)
+        p = sampling.logprobs(logits[0, -1])
+        # The drafter's first draft position sees the committed context and the last token.
+        q = sampling.logprobs(_draft_logits(target, drafter, mx.array(context[-1:]), feats[:, :-1],
+                                            drafter.make_cache(), 2)[0])
+        e_rej = mx.minimum(mx.exp(p), mx.exp(q)).sum().item()
+        e_match = (mx.exp(p) * mx.exp(q)).sum().item()
+        rej.append(e_rej)
+        match.append(e_match)
+        m = 20000
+        drafted = mx.random.categorical(mx.broadcast_to(q, (m, q.shape[0])), key=mx.random.key(k))
+        accept, _ = verify_rejection(drafted, mx.broadcast_to(q, (m, q.shape[0])),
+                                     mx.broadcast_to(p, (m + 1, p.shape[0])), mx.random.key(k + 1))
+        assert abs(accept.astype(mx.float32).mean().item() - e_rej) < 0.02
+        accept, _ = verify_match(drafted, mx.broadcast_to(p, (m + 1, p.shape[0])), mx.random.key(k + 2))
+        assert abs(accept.astype(mx.float32).mean().item() - e_match) < 0.02
+    assert all(r >= m_ - 1e-6 for r, m_ in zip(rej, match))
+    if drafter_name == "random":  # a spread-out q: rejection sampling accepts strictly more
+        assert np.mean(rej) > 1.5 * np.mean(match)
+    # (the biased drafter's q is nearly one-hot, where the two schemes coincide)
+
+
+def _draft_distributions(p: mx.array) -> dict[str, mx.array]:
+    """Drafter distributions q of every kind against a target distribution p (log-probs)."""
+    V = p.shape[0]
+    order = np.argsort(-np.array(p))
+    one_hot = np.full(V, 1e-9)
+    one_hot[order[0]] = 1.0
+    second = np.full(V, 1e-9)
+    second[order[1]] = 1.0
+    spread = np.random.default_rng(0).random(V)
+    mix = 0.5 * np.exp(np.array(p)) + 0.5 * second
+    return {name: mx.log(mx.array(x / x.sum(), dtype=mx.float32)) for name, x in
+            {"one-hot on p's mode": one_hot, "one-hot on p's runner-up": second, "spread": spread,
+             "half p, half runner-up": mix}.items()}
+
+
+@pytest.mark.parametrize("verify", ["rejection", "match"])
+def test_verifier_emits_exactly_p(peaked, verify):
+    """One draft position, 60k independent trials per q: the emitted token (the accepted draft, else
+    the verifier's own token) is distributed as p whatever q is. Sharp enough to catch a residual
+    drawn from p instead of max(0, p - q)."""
+    pairs, ids = peaked
+    target, _, _ = pairs["random"]
+    logits, _ = target(mx.array(ids + [ids[-1]])[None], target.make_cache())
+    p = Sampling(temperature=1.0).logprobs(logits[0, -1])
+    m, V = 60000, p.shape[0]
+    P = mx.broadcast_to(p, (m + 1, V))
+    for k, (name, q) in enumerate(_draft_distributions(p).items()):
+        drafted = mx.random.categorical(mx.broadcast_to(q, (m, V)), key=mx.random.key(k))
+        if verify == "rejection":
+            accept, stops = verify_rejection(drafted, mx.broadcast_to(q, (m, V)), P, mx.random.key(100 + k))
+        else:
+            accept, stops = verify_match(drafted, P, mx.random.key(100 + k))
+        emitted = np.array(mx.where(accept, drafted, stops[:-1]))
+        freq = np.bincount(emitted, minlength=V) / m
+        tv = 0.5 * np.abs(freq - np.exp(np.array(p))).sum()
+        assert tv < 0.02, f"q {name}: total variation {tv:.3f}"
+
+
+def test_temperature_zero_is_greedy(pairs):
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode(PROMPTS[0])
+    ref = plain_greedy(target.model, ids, MAX_TOKENS)
+    for verify in ("rejection", "match"):
+        out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, eos_token_ids=[], temperature=0.0, verify=verify)
+        assert out.tokens == ref
+
+
+def test_seed_reproducible(pairs):
+    target, drafter, tokenizer = pairs["llama"]
+    runs = [generate(target, drafter, tokenizer, PROMPTS[1], max_tokens=40, eos_token_ids=[], temperature=0.8, seed=s).tokens
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(temperature=1.0, top_k=-1), "top_k must be an integer >= 0"),
+        (dict(temperature=1.0, min_p=1.5), r"min_p must be in \[0, 1\]"),
+        (dict(temperature=1.0, verify="maybe"), "verify must be one of rejection, match"),
+    ],
+)
+def test_bad_sampling_values(pairs, kwargs, match):
+    target, drafter, tokenizer = pairs["qwen3"]
+    with pytest.raises(DFlashError, match=match):
+        generate(target, drafter, tokenizer, "hi", **kwargs)
+
+
+def test_cli_sampling_flags(models_dir):
+    base = ["generate", str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "-p", "hi", "-m", "20", "--json"]
+    a = CliRunner().invoke(app, base + ["--temp", "0.7", "--top-p", "0.9", "--top-k", "50", "--min-p", "0.05", "--seed", "3"])
+    b = CliRunner().invoke(app, base + ["--temp", "0.7", "--top-p", "0.9", "--top-k", "50", "--min-p", "0.05", "--seed", "3",
+                                        "--verify", "rejection"])
+    assert a.exit_code == 0, a.output
+    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]  # the seed fixes the sample
+    bad = CliRunner().invoke(app, base + ["--temp", "-1"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: temperature must be >= 0")
