@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import typer
@@ -81,19 +82,52 @@ def main(
     pass
 
 
+TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
+MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate (per reply).")
+BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft block size [default: the drafter's].")
+WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
+SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
+TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
+TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this much mass.")
+TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0: all).")
+MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability.")
+SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
+VERIFY = typer.Option("rejection", "--verify", help="Sampled verification: rejection (accepts more) or match.")
+
+
+def _check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int, **sampling: Any) -> None:
+    """Fail on bad flag values before loading gigabytes of weights."""
+    from .caches import check_window
+    from .sampling import Sampling
+
+    if block_size is not None and block_size < 1:
+        raise DFlashError(f"--block-size must be >= 1, got {block_size}")
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if window is not None:
+        check_window(window, sinks, block_size or 1)
+    Sampling(**sampling)
+
+
 @app.command()
 @user_errors
 def generate(
-    draft: str = typer.Argument(..., help="DFlash drafter: Hugging Face repo id or local folder."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Target model: repo id or local folder."),
+    draft: str = typer.Argument(..., help="Drafter: registry name, Hub repo id, drafter folder or converted bundle."),
+    target: Optional[str] = TARGET,
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt ('-' reads stdin)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Draft block size (default: the drafter's)."),
-    window: Optional[int] = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory)."),
-    sinks: int = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted."),
+    max_tokens: int = MAX_TOKENS,
+    block_size: Optional[int] = BLOCK_SIZE,
+    window: Optional[int] = WINDOW,
+    sinks: int = SINKS,
     prefill_step_size: Optional[int] = typer.Option(
         None, "--prefill-step", help="Prefill this many tokens at a time [default: 2048, window/16 with --window]."
     ),
+    temperature: float = TEMP,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
+    seed: Optional[int] = SEED,
+    verify: str = VERIFY,
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
@@ -102,10 +136,8 @@ def generate(
     from .generate import generate as run
     from .loader import load
 
-    if block_size is not None and block_size < 1:
-        raise DFlashError(f"--block-size must be >= 1, got {block_size}")
-    if max_tokens < 1:
-        raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
+    _check_options(block_size, max_tokens, window, sinks, temperature=temperature, top_p=top_p, top_k=top_k,
+                   min_p=min_p, seed=seed, verify=verify)
     if prompt == "-":
         prompt = sys.stdin.read()
     tgt, drafter, tokenizer = load(draft, target)
@@ -122,6 +154,7 @@ def generate(
         result = run(
             tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
             window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify,
         )
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
@@ -133,3 +166,218 @@ def generate(
         f"tau {result.tau:.2f} | peak {result.peak_memory:.2f} GB | {result.finish_reason}[/]",
         soft_wrap=True,
     )
+
+
+def _converted_bundles() -> list[Path]:
+    """Bundles in the current folder and in ~/.cache/dflash-mlx (where users keep them)."""
+    from .registry import is_bundle
+
+    places = [Path.cwd(), Path.home() / ".cache" / "dflash-mlx"]
+    return sorted({p.resolve() for place in places if place.is_dir() for p in place.iterdir() if p.is_dir() and is_bundle(p)})
+
+
+@app.command()
+@user_errors
+def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
+    """List the published drafter -> target pairs, and which are already downloaded or converted."""
+    from huggingface_hub import scan_cache_dir
+    from rich.table import Table
+
+    from .registry import pairs
+
+    try:
+        cached = {repo.repo_id for repo in scan_cache_dir().repos}
+    except Exception:  # no cache folder yet, or an unreadable one
+        cached = set()
+    converted = {}
+    for bundle in _converted_bundles():
+        manifest = json.loads((bundle / "dflash.json").read_text())
+        converted.setdefault(manifest.get("drafter"), []).append(str(bundle))
+    rows = [
+        dict(drafter=p.drafter, target=p.target, architecture=p.model_type, supported=p.supported,
+             thinking=p.thinking, block_size=p.block_size, memory_gb=p.memory_gb,
+             downloaded=p.drafter in cached and p.target in cached, converted=converted.get(p.drafter, []))
+        for p in pairs()
+    ]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title="DFlash drafters (z-lab)", show_lines=False)
+    for col in ("drafter", "target", "arch", "runs", "thinking", "block", "~GB", "local"):
+        table.add_column(col)
+    for r in rows:
+        local = "converted" if r["converted"] else ("downloaded" if r["downloaded"] else "")
+        table.add_row(r["drafter"], r["target"], r["architecture"], "yes" if r["supported"] else "[dim]not yet[/]",
+                      r["thinking"], str(r["block_size"]), str(r["memory_gb"]), local)
+    Console(highlight=False).print(table)
+
+
+@app.command()
+@user_errors
+def convert(
+    source: str = typer.Argument(..., help="Drafter: registry name, Hub repo id or folder."),
+    out: str = typer.Option(..., "--out", "-o", help="Bundle folder to write."),
+    target: Optional[str] = TARGET,
+    quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="Target quantization: 4bit, 8bit, mixed_4_6, ..."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float dtype: bfloat16, float16 or float32."),
+    draft_quantize: str = typer.Option("none", "--draft-quantize", help="Drafter quantization: none, 8bit or 4bit."),
+    quantize_fc: bool = typer.Option(False, "--quantize-fc", help="With --draft-quantize: quantize fc too."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
+) -> None:
+    """Convert a drafter and its target into one offline MLX bundle (optionally quantized)."""
+    from .convert import convert as run
+
+    path = run(source, out, target=target, quantize=quantize, q_group_size=q_group_size, dtype=dtype,
+               draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force,
+               log=lambda message: err.print(f"[dim]{message}[/]"))
+    typer.echo(str(path))
+
+
+@app.command()
+@user_errors
+def doctor() -> None:
+    """Check the MLX backend, the BLAS, versions, the Hugging Face cache and converted bundles."""
+    import mlx.core as mx
+    from huggingface_hub import constants
+
+    from .system import blas_library, find_openblas, is_reference_blas, machine_description
+
+    info = machine_description()
+    out = Console(highlight=False)
+    backend = "Metal GPU" if info["backend"] == "metal" else "CPU"
+    memory = info["memory_bytes"] / 2**30
+    if info["backend"] == "metal":
+        memory = mx.device_info().get("memory_size", info["memory_bytes"]) / 2**30
+    out.print(f"MLX backend   {backend} ({info['processor']}), {memory:.1f} GiB memory")
+    if sys.platform == "linux":
+        blas = blas_library() or "unknown"
+        if is_reference_blas():
+            fix = (f"run with LD_PRELOAD={find_openblas()}" if find_openblas()
+                   else "apt-get install libopenblas0-pthread, then preload it (the bench scripts do)")
+            out.print(f"BLAS          [bold red]reference BLAS[/] {blas}: speculative decoding cannot win; {fix}")
+        else:
+            out.print(f"BLAS          {blas}")
+    out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
+    out.print(f"HF cache      {constants.HF_HUB_CACHE}")
+    bundles = _converted_bundles()
+    out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (cwd, ~/.cache/dflash-mlx)"))
+
+
+CHAT_HELP = """commands:
+  /reset          forget the conversation
+  /system TEXT    set the system prompt (and reset)
+  /stats          statistics of the last reply
+  /save FILE      save the conversation as JSON
+  /load FILE      load a conversation saved with /save
+  /quit           leave (also Ctrl-D; Ctrl-C twice at an empty prompt)
+  /help           this list"""
+
+
+def _stats_line(session: Any) -> str:
+    r = session.last
+    context = f"{session.context_tokens}" + (f" (window {session.window})" if session.window else "")
+    return (f"{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
+            f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok")
+
+
+@app.command()
+@user_errors
+def chat(
+    model: Optional[str] = typer.Argument(None, help="Registry name, drafter repo/folder or bundle [default: fits this machine]."),
+    target: Optional[str] = TARGET,
+    window: Optional[int] = WINDOW,
+    sinks: int = SINKS,
+    block_size: Optional[int] = BLOCK_SIZE,
+    temperature: float = TEMP,
+    top_p: float = TOP_P,
+    top_k: int = TOP_K,
+    min_p: float = MIN_P,
+    seed: Optional[int] = SEED,
+    verify: str = VERIFY,
+    max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
+) -> None:
+    """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
+    from .chat import ChatSession
+    from .generate import GenerationResponse
+    from .loader import load
+    from .registry import default_pair, find
+    from .system import machine_description
+
+    _check_options(block_size, max_tokens, window, sinks, temperature=temperature, top_p=top_p, top_k=top_k,
+                   min_p=min_p, seed=seed, verify=verify)
+    if model is None:
+        model = default_pair(machine_description()["memory_bytes"]).drafter
+        err.print(f"[dim]no model given: using {model} (fits this machine's memory)[/]")
+    pair = find(model)
+    if pair is not None and think is not None and pair.thinking in ("on", "off") and think != (pair.thinking == "on"):
+        err.print(f"[yellow]warning:[/] {pair.drafter} was trained with thinking {pair.thinking}; "
+                  f"--{'think' if think else 'no-think'} will lower acceptance")
+    tgt, drafter, tokenizer = load(model, target)
+    if window is not None:
+        _check_options(block_size or drafter.block_size, max_tokens, window, sinks)
+    session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
+                          block_size=block_size, options=dict(max_tokens=max_tokens, temperature=temperature,
+                                                              top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                                              verify=verify))
+    interactive = sys.stdin.isatty()
+    out = Console(highlight=False)
+    if interactive:
+        out.print(f"[dim]{model} — /help for commands, Ctrl-C stops a reply[/]")
+    interrupts = 0
+    while True:
+        try:
+            line = input("> " if interactive else "")
+            interrupts = 0
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            interrupts += 1
+            if interrupts >= 2:
+                break
+            out.print("\n[dim](Ctrl-C again or /quit to leave)[/]")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            command, _, arg = text.partition(" ")
+            if command == "/quit":
+                break
+            elif command == "/help":
+                out.print(CHAT_HELP)
+            elif command == "/reset":
+                session.reset()
+                out.print("[dim]conversation reset[/]")
+            elif command == "/system":
+                session.system = arg or None
+                session.reset()
+                out.print("[dim]system prompt set; conversation reset[/]")
+            elif command == "/stats":
+                out.print(_stats_line(session) if session.last else "[dim]no reply yet[/]")
+            elif command in ("/save", "/load"):
+                if not arg:
+                    out.print(f"[red]usage: {command} FILE[/]")
+                    continue
+                try:
+                    session.save(arg) if command == "/save" else session.load(arg)
+                    out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {arg} "
+                              f"({len(session.messages)} messages)[/]")
+                except DFlashError as e:
+                    out.print(f"[red]error:[/] {e}")
+            else:
+                out.print(f"[red]unknown command {command}[/]; /help lists them")
+            continue
+        def show(response: GenerationResponse) -> None:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+
+        try:
+            session.reply(text, on_response=show)
+        except KeyboardInterrupt:
+            out.print("\n[yellow]stopped[/]")
+            continue
+        sys.stdout.write("\n")
+        err.print(f"[dim]{_stats_line(session)}[/]", soft_wrap=True)

@@ -316,6 +316,9 @@ def load_drafter(path: Path) -> Drafter:
         raise DFlashError(f"drafter block_size must be >= 1, got {model.block_size}")
 
     weights = load_weights(_weight_files(path))
+    if quant := config.get("quantization"):  # written by `dflash-mlx convert --draft-quantize`
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

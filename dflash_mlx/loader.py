@@ -12,6 +12,8 @@ from mlx.utils import tree_map
 
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
+from .registry import is_bundle
+from .registry import resolve as registry_resolve
 from .target import Target, check_model_type
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -38,6 +40,11 @@ def resolve(name: str, what: str, allow_patterns: Optional[list[str]] = None) ->
         raise DFlashError(
             f"cannot download {what} {name} ({reason}); pass a local folder instead"
         ) from None
+
+
+def cast_floats(tree: Any, dtype: mx.Dtype) -> Any:
+    """Floating-point leaves cast to ``dtype``; quantized (integer) weights untouched."""
+    return tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, tree)
 
 
 def check_pair(target: Target, drafter: Drafter) -> None:
@@ -82,11 +89,20 @@ def _load_target_model(path: Path) -> tuple[Any, Any]:
 
 
 def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any]:
-    """Load a DFlash drafter and its target; each may be a local folder or a Hub id.
+    """Load a DFlash drafter and its target.
 
-    Returns ``(target, drafter, tokenizer)``. The drafter runs in the target's float
-    dtype, so a bf16 checkpoint drives a float32 target without mixed-precision casts.
+    ``draft`` is a converted bundle folder, a drafter folder, a Hub repo id or a
+    registry name (``Qwen3-8B``); ``target`` (a folder or repo id, original or
+    already converted/quantized) is needed only where the registry does not know
+    the pair, and overrides it otherwise. Returns ``(target, drafter, tokenizer)``.
+    The drafter runs in the target's float dtype, so a bf16 checkpoint drives a
+    float32 target without mixed-precision casts.
     """
+    bundle = Path(draft).expanduser()
+    if is_bundle(bundle):
+        draft, target = str(bundle / "draft"), target or str(bundle / "target")
+    else:
+        draft, target, _ = registry_resolve(draft, target)
     drafter = load_drafter(resolve(draft, "drafter"))
     if target is None:
         raise DFlashError(f"no target given for drafter {draft}: pass target=... (--target on the CLI)")
@@ -94,6 +110,6 @@ def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any
     tgt = Target(model, drafter.target_layer_ids)
     check_pair(tgt, drafter)
     dtype = tgt.dtype
-    drafter.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, drafter.parameters()))
+    drafter.update(cast_floats(drafter.parameters(), dtype))
     mx.eval(drafter.parameters())
     return tgt, drafter, tokenizer

@@ -1,0 +1,172 @@
+"""Convert a drafter and its target into one self-contained MLX bundle folder.
+
+Layout: ``OUT/target`` (mlx-lm's own conversion, optionally quantized), ``OUT/draft``
+(z-lab layout, optionally quantized), ``OUT/dflash.json`` (the manifest). The bundle
+is written in a temporary folder beside OUT and renamed into place, so an
+interrupted or failed convert leaves nothing behind and an existing OUT is only
+replaced, with ``force``, once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from . import __version__
+from .drafter import load_drafter
+from .errors import DFlashError
+from .loader import cast_floats, check_pair, resolve
+from .registry import MANIFEST
+from .registry import resolve as registry_resolve
+from .target import Target, check_model_type
+
+QUANT_BITS = {"2bit": 2, "3bit": 3, "4bit": 4, "5bit": 5, "6bit": 6, "8bit": 8}
+QUANT_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+DTYPES = ("bfloat16", "float16", "float32")
+DRAFT_QUANT = {"none": None, "8bit": 8, "4bit": 4}
+
+
+def _check_options(quantize: Optional[str], dtype: Optional[str], draft_quantize: str, group_size: int) -> None:
+    if quantize is not None and quantize not in QUANT_BITS and quantize not in QUANT_RECIPES:
+        valid = ", ".join([*QUANT_BITS, *QUANT_RECIPES])
+        raise DFlashError(f"invalid --quantize {quantize!r}; choose one of {valid}")
+    if dtype is not None and dtype not in DTYPES:
+        raise DFlashError(f"invalid --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if draft_quantize not in DRAFT_QUANT:
+        raise DFlashError(f"invalid --draft-quantize {draft_quantize!r}; choose one of {', '.join(DRAFT_QUANT)}")
+    if group_size not in (32, 64, 128):
+        raise DFlashError(f"invalid --q-group-size {group_size}; choose 32, 64 or 128")
+
+
+def _weights_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _revision(path: Path) -> str:
+    """The Hub commit of a downloaded snapshot, or 'local'."""
+    return path.name if path.parent.name == "snapshots" else "local"
+
+
+def _estimate(target_path: Path, draft_path: Path, quantize: Optional[str], dtype: Optional[str]) -> int:
+    """Rough bytes of the bundle: source sizes scaled by the output precision (bf16 sources assumed)."""
+    scale = 1.0
+    if dtype == "float32":
+        scale = 2.0
+    if quantize is not None:
+        bits = QUANT_BITS.get(quantize, 6)
+        scale = (bits + 1) / 16  # weights plus scales and biases
+    return int(_weights_bytes(target_path) * scale + _weights_bytes(draft_path) * (2.0 if dtype == "float32" else 1.0))
+
+
+def _check_pair(target_path: Path, draft_path: Path):
+    """Refuse a mismatched pair before converting anything (lazy load: shapes only)."""
+    from mlx_lm.utils import load_model
+
+    config = json.loads((target_path / "config.json").read_text())
+    check_model_type(config.get("model_type"))
+    drafter = load_drafter(draft_path)
+    model, _ = load_model(target_path, lazy=True)
+    check_pair(Target(model, drafter.target_layer_ids), drafter)
+    return drafter
+
+
+def _write_drafter(drafter: nn.Module, source: Path, out: Path, dtype: Optional[str], bits: Optional[int],
+                   group_size: int, quantize_fc: bool) -> None:
+    out.mkdir()
+    if dtype is not None:
+        drafter.update(cast_floats(drafter.parameters(), getattr(mx, dtype)))
+    config = json.loads((source / "config.json").read_text())
+    if bits is not None:
+        nn.quantize(drafter, group_size=group_size, bits=bits,
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and (quantize_fc or p != "fc"))
+        config["quantization"] = {"group_size": group_size, "bits": bits}
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())),
+                        metadata={"format": "mlx"})
+    if dtype is not None:
+        config["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def convert(
+    source: str,
+    out: str,
+    target: Optional[str] = None,
+    quantize: Optional[str] = None,
+    q_group_size: int = 64,
+    dtype: Optional[str] = None,
+    draft_quantize: str = "none",
+    quantize_fc: bool = False,
+    force: bool = False,
+    log: Callable[[str], None] = lambda message: None,
+) -> Path:
+    """Write the bundle for ``source`` (registry name, drafter repo or folder) to ``out``; return its path."""
+    _check_options(quantize, dtype, draft_quantize, q_group_size)
+    out_path = Path(out).expanduser().resolve()
+    if out_path.exists() and not force:
+        raise DFlashError(f"{out_path} already exists; pass --force to replace it")
+    if not out_path.parent.is_dir():
+        raise DFlashError(f"{out_path.parent} does not exist")
+    draft, target, _ = registry_resolve(source, target)
+    if target is None:
+        raise DFlashError(f"no target for drafter {source}: pass --target")
+    draft_path = resolve(draft, "drafter")
+    target_path = resolve(target, "target")
+    log(f"checking the pair {draft_path.name} -> {target_path.name}")
+    drafter = _check_pair(target_path, draft_path)
+
+    need = _estimate(target_path, draft_path, quantize, dtype)
+    free = shutil.disk_usage(out_path.parent).free
+    if need * 1.1 > free:
+        raise DFlashError(f"not enough disk space in {out_path.parent}: need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", suffix=".partial", dir=out_path.parent))
+    try:
+        log("converting the target with mlx-lm" + (f" ({quantize})" if quantize else ""))
+        from mlx_lm.convert import convert as mlx_convert
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            mlx_convert(
+                str(target_path), str(tmp / "target"),
+                quantize=quantize is not None,
+                q_group_size=q_group_size,
+                q_bits=QUANT_BITS.get(quantize or "", None),
+                dtype=dtype,
+                quant_predicate=quantize if quantize in QUANT_RECIPES else None,
+            )
+        log("writing the drafter" + (f" ({draft_quantize})" if draft_quantize != "none" else ""))
+        _write_drafter(drafter, draft_path, tmp / "draft", dtype, DRAFT_QUANT[draft_quantize], q_group_size, quantize_fc)
+        manifest = {
+            "format": 1,
+            "drafter": draft, "drafter_revision": _revision(draft_path),
+            "target": target, "target_revision": _revision(target_path),
+            "dtype": dtype, "quantize": quantize, "q_group_size": q_group_size,
+            "draft_quantize": draft_quantize, "quantize_fc": quantize_fc,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "dflash_mlx": __version__,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if out_path.exists():  # --force: swap only once the new bundle is complete
+            old = out_path.with_name(f".{out_path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out_path.rename(old)
+            tmp.rename(out_path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_path)
+    except OSError as e:
+        raise DFlashError(f"convert failed writing {out_path} ({e.strerror or e}); nothing was written") from None
+    except ValueError as e:  # mlx-lm reports bad inputs this way
+        raise DFlashError(f"convert failed: {str(e).splitlines()[0]}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_path
