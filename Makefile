@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install bench clean
+.PHONY: test install chat bench clean
 
 install: $(STAMP)
 
@@ -14,11 +14,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Install, then chat with the default published pair that fits this machine.
+chat: $(STAMP)
+	$(VENV)/bin/dflash-mlx chat
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py
+	$(PY) bench/long_context.py
+	$(PY) bench/hybrid_rollback.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -204,7 +204,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
         return
     table = Table(title="DFlash drafters (z-lab)", show_lines=False)
     for col in ("drafter", "target", "arch", "runs", "thinking", "block", "~GB", "local"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col in ("drafter", "local"))
     for r in rows:
         local = "converted" if r["converted"] else ("downloaded" if r["downloaded"] else "")
         table.add_row(r["drafter"], r["target"], r["architecture"], "yes" if r["supported"] else "[dim]not yet[/]",
@@ -228,9 +228,9 @@ def convert(
     """Convert a drafter and its target into one offline MLX bundle (optionally quantized)."""
     from .convert import convert as run
 
-    path = run(source, out, target=target, quantize=quantize, q_group_size=q_group_size, dtype=dtype,
-               draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force,
-               log=lambda message: err.print(f"[dim]{message}[/]"))
+    with err.status("checking the pair") as status:  # transient: only the result or one error line stays
+        path = run(source, out, target=target, quantize=quantize, q_group_size=q_group_size, dtype=dtype,
+                   draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force, log=status.update)
     typer.echo(str(path))
 
 

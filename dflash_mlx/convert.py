@@ -25,10 +25,10 @@ from mlx.utils import tree_flatten
 from . import __version__
 from .drafter import load_drafter
 from .errors import DFlashError
-from .loader import cast_floats, check_pair, resolve
+from .loader import cast_floats, check_pair, check_target_folder, resolve
 from .registry import MANIFEST
 from .registry import resolve as registry_resolve
-from .target import Target, check_model_type
+from .target import Target
 
 QUANT_BITS = {"2bit": 2, "3bit": 3, "4bit": 4, "5bit": 5, "6bit": 6, "8bit": 8}
 QUANT_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
@@ -72,8 +72,7 @@ def _check_pair(target_path: Path, draft_path: Path):
     """Refuse a mismatched pair before converting anything (lazy load: shapes only)."""
     from mlx_lm.utils import load_model
 
-    config = json.loads((target_path / "config.json").read_text())
-    check_model_type(config.get("model_type"))
+    check_target_folder(target_path)
     drafter = load_drafter(draft_path)
     model, _ = load_model(target_path, lazy=True)
     check_pair(Target(model, drafter.target_layer_ids), drafter)
@@ -121,7 +120,6 @@ def convert(
         raise DFlashError(f"no target for drafter {source}: pass --target")
     draft_path = resolve(draft, "drafter")
     target_path = resolve(target, "target")
-    log(f"checking the pair {draft_path.name} -> {target_path.name}")
     drafter = _check_pair(target_path, draft_path)
 
     need = _estimate(target_path, draft_path, quantize, dtype)

@@ -69,16 +69,21 @@ def check_pair(target: Target, drafter: Drafter) -> None:
         raise DFlashError(f"drafter mask_token_id {args.mask_token_id} is outside the vocabulary")
 
 
-def _load_target_model(path: Path) -> tuple[Any, Any]:
-    from mlx_lm.utils import load as mlx_lm_load
-
+def check_target_folder(path: Path) -> None:
+    """A readable config.json of a supported architecture, or a one-line error."""
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path} is not a model folder: it has no config.json")
     try:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise DFlashError(f"{path / 'config.json'} is not a valid model config ({e})") from None
-    check_model_type(model_type)  # before reading gigabytes of weights
+    check_model_type(model_type)
+
+
+def _load_target_model(path: Path) -> tuple[Any, Any]:
+    from mlx_lm.utils import load as mlx_lm_load
+
+    check_target_folder(path)  # before reading gigabytes of weights
     try:
         return mlx_lm_load(str(path))
     except DFlashError:
