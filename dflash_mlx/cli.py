@@ -381,3 +381,101 @@ def chat(
             continue
         sys.stdout.write("\n")
         err.print(f"[dim]{_stats_line(session)}[/]", soft_wrap=True)
+
+
+def _write_atomic(path: str, data: str) -> None:
+    target = Path(path).expanduser()
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        tmp.write_text(data)
+        tmp.replace(target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DFlashError(f"cannot write {target}: {e.strerror or e}") from None
+
+
+@app.command()
+@user_errors
+def bench(
+    model: str = typer.Argument(..., help="Registry name, drafter repo/folder or bundle."),
+    target: Optional[str] = TARGET,
+    window: Optional[int] = WINDOW,
+    sinks: int = SINKS,
+    prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Context sweep: prompt lengths, e.g. 1024,4096,8192."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Tokens to decode per prompt."),
+    dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
+    num_prompts: int = typer.Option(12, "--num-prompts", help="Most prompts to run."),
+    block_size: Optional[int] = BLOCK_SIZE,
+    temperature: float = TEMP,
+    repeats: int = typer.Option(1, "--repeats", help="Runs per prompt; the order of the two paths alternates."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup/tau vs context and the acceptance histogram (PNG)."),
+) -> None:
+    """Measure DFlash against plain decoding of the same target, prompt by prompt, side by side."""
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from . import bench as b
+    from .loader import load
+    from .system import find_openblas, is_reference_blas, machine_description
+
+    _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
+    if repeats < 1 or num_prompts < 1:
+        raise DFlashError("--repeats and --num-prompts must be >= 1")
+    lengths = None
+    if prompt_tokens:
+        try:
+            lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+        except ValueError:
+            raise DFlashError(f"--prompt-tokens takes comma-separated integers, got {prompt_tokens!r}") from None
+    if dataset.endswith(".jsonl"):
+        conversations = b.read_jsonl(dataset)
+    elif dataset in b.BUILTIN_SETS or dataset == "all":
+        conversations = b.builtin(dataset)
+    elif dataset in b.DATASETS:
+        conversations = None  # fetched after the cheap checks
+    else:
+        b.fetch(dataset, num_prompts)  # raises the unknown-dataset error
+    if is_reference_blas():
+        fix = f"LD_PRELOAD={find_openblas()} dflash-mlx bench ..." if find_openblas() else "apt-get install libopenblas0-pthread"
+        err.print(f"[bold red]WARNING: MLX runs on the reference BLAS: these numbers are meaningless for speculation. Fix: {fix}[/]",
+                  soft_wrap=True)
+    tgt, drafter, tokenizer = load(model, target)
+    if window is not None:
+        _check_options(block_size or drafter.block_size, max_tokens, window, sinks)
+    if lengths is not None:
+        conversations = b.context_prompts(tokenizer, lengths, getattr(tgt.lm.args, "max_position_embeddings", None))
+    elif conversations is None:
+        conversations = b.fetch(dataset, num_prompts)
+    else:
+        conversations = conversations[:num_prompts]
+
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("bench", total=sum(max(1, len(c.turns)) for c in conversations))
+        records = b.measure(tgt, drafter, tokenizer, conversations, max_tokens=max_tokens, block_size=block_size,
+                            window=window, sinks=sinks, temperature=temperature, repeats=repeats,
+                            on_record=lambda r: progress.advance(task))
+    summary = b.summarize(records)
+    out = Console(highlight=False)
+    table = Table(title=f"dflash vs plain decoding — {model}")
+    for col in ("prompt", "tokens", "plain tok/s", "dflash tok/s", "speedup", "tau", "prefill tok/s", "peak GB", "flags"):
+        table.add_column(col)
+    for r in records:
+        table.add_row(f"{r['prompt']}" + (f" t{r['turn']}" if r["turn"] else ""), str(r["prompt_tokens"]),
+                      f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}", f"{r['dflash']['peak_memory_gb']:.2f}",
+                      "; ".join(r["flagged"]))
+    out.print(table)
+    if summary["speedup"] is not None:
+        s, t = summary["speedup"], summary["tau"]
+        out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "
+                  f"tau median {t['median']:.2f} over {summary['prompts'] - summary['flagged']} prompts")
+    if summary["flagged"]:
+        out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
+    if json_out:
+        report = {"model": model, "target": target, "window": window, "sinks": sinks, "block_size": block_size or drafter.block_size,
+                  "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
+                  "machine": machine_description(), "summary": summary, "records": records}
+        _write_atomic(json_out, json.dumps(report, indent=1))
+    if plot_out:
+        b.plot(records, summary, plot_out)

@@ -1,0 +1,296 @@
+"""Paired, honest speed measurements: plain decoding and DFlash on the same target, in one process.
+
+Every prompt runs plain mlx-lm decoding and DFlash with the same caches (window
+semantics included) and the same token budget; with repeats the order alternates
+to cancel drift. At temperature 0 the two texts must be identical, and output that
+loops on a short span (which inflates tau and tok/s) is flagged and left out of
+the headline figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from .errors import DFlashError
+from .generate import generate
+
+BUILTIN_SETS = ("math", "code", "chat")
+# name -> (Hub dataset, config, split, field holding the prompt or the list of turns)
+DATASETS = {
+    "gsm8k": ("openai/gsm8k", "main", "test", "question"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem"),
+    "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test", "text"),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
+}
+
+
+@dataclass
+class Conversation:
+    """User turns to send in order, or exact prompt token ids (context sweep)."""
+
+    name: str
+    turns: list[str]
+    token_ids: Optional[list[int]] = None
+
+
+def builtin(name: str = "all") -> list[Conversation]:
+    sets = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
+    names = BUILTIN_SETS if name == "all" else (name,)
+    return [Conversation(f"{n}-{i}", [p]) for n in names for i, p in enumerate(sets[n])]
+
+
+def read_jsonl(path: str) -> list[Conversation]:
+    """Lines of {"prompt": str}, {"turns": [str, ...]} or {"messages": [{"role", "content"}, ...]}."""
+    source = Path(path).expanduser()
+    if not source.is_file():
+        raise DFlashError(f"prompt file {source}: no such file")
+    out = []
+    for n, line in enumerate(source.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "prompt" in row:
+                turns = [str(row["prompt"])]
+            elif "turns" in row:
+                turns = [str(t) for t in row["turns"]]
+            else:
+                turns = [m["content"] for m in row["messages"] if m["role"] == "user"]
+            if not turns:
+                raise ValueError("no user turn")
+        except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DFlashError(f"{source} line {n}: not a prompt ({e}); expected prompt, turns or messages") from None
+        out.append(Conversation(f"{source.stem}-{n}", turns))
+    if not out:
+        raise DFlashError(f"prompt file {source} has no prompts")
+    return out
+
+
+def fetch(name: str, limit: int) -> list[Conversation]:
+    """A public benchmark from the Hub (optional extra ``datasets``), cached locally by the library."""
+    if name not in DATASETS:
+        raise DFlashError(
+            f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}, a built-in set "
+            f"({', '.join(BUILTIN_SETS)}) or a .jsonl file"
+        )
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise DFlashError(f"--dataset {name} needs the datasets extra: pip install 'dflash-mlx[datasets]'") from None
+    repo, config, split, field_name = DATASETS[name]
+    try:
+        rows = load_dataset(repo, config, split=split)
+    except Exception as e:  # offline, or the Hub refused
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DFlashError(f"cannot fetch dataset {name} ({reason}); use a built-in set or a .jsonl file") from None
+    out = []
+    for i, row in enumerate(rows):
+        if len(out) >= limit:
+            break
+        value = row[field_name]
+        out.append(Conversation(f"{name}-{i}", list(value) if isinstance(value, list) else [value]))
+    return out
+
+
+def context_prompts(tokenizer: Any, lengths: Iterable[int], max_positions: Optional[int]) -> list[Conversation]:
+    """Prompts of exactly these token counts, cut from natural text."""
+    text = resources.files("dflash_mlx").joinpath("data/text.txt").read_text()
+    out = []
+    for n in lengths:
+        if n < 1:
+            raise DFlashError(f"--prompt-tokens must be positive, got {n}")
+        if max_positions is not None and n >= max_positions:
+            raise DFlashError(f"--prompt-tokens {n} exceeds the model's maximum of {max_positions} positions")
+        ids: list[int] = []
+        while len(ids) < n:
+            ids += tokenizer.encode(text + "\n", add_special_tokens=False)
+        out.append(Conversation(f"context-{n}", [], token_ids=ids[:n]))
+    return out
+
+
+def repetition(tokens: list[int], max_period: int = 16, n: int = 4) -> tuple[int, float]:
+    """Longest run repeating a span of at most ``max_period`` tokens, and the distinct n-gram ratio."""
+    longest = 0
+    for period in range(1, max_period + 1):
+        run = 0
+        for i in range(period, len(tokens)):
+            run = run + 1 if tokens[i] == tokens[i - period] else 0
+            if run >= period:  # the span occurred at least twice in a row
+                longest = max(longest, run + period)
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    distinct = len(set(grams)) / len(grams) if grams else 1.0
+    return longest, distinct
+
+
+def degenerate(tokens: list[int]) -> bool:
+    """A greedy loop: half the output repeats a short span, or few distinct 4-grams."""
+    longest, distinct = repetition(tokens)
+    return len(tokens) >= 16 and (longest >= len(tokens) / 2 or distinct < 0.5)
+
+
+def _plain(target: Any, ids: list[int], max_tokens: int, window: Optional[int], sinks: int,
+           temperature: float, top_p: float, top_k: int, min_p: float, seed: Optional[int]) -> dict[str, Any]:
+    """mlx-lm's own decoding, with the same cache type (and window) as the DFlash run."""
+    sampler = make_sampler(temp=temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
+    if seed is not None:
+        mx.random.seed(seed)
+    cache = target.make_cache(window, sinks, slack=1)
+    mx.reset_peak_memory()
+    tokens, stamps = [], []
+    tic = time.perf_counter()
+    for token, _ in generate_step(mx.array(ids), target.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache):
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+    ttft = stamps[0] - tic
+    decode = (len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 else 0.0
+    return {"tokens": tokens, "ttft_s": ttft, "prefill_tps": len(ids) / ttft, "decode_tps": decode,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9}
+
+
+def _dflash(target: Any, drafter: Any, tokenizer: Any, ids: list[int], **kwargs: Any) -> dict[str, Any]:
+    r = generate(target, drafter, tokenizer, ids, eos_token_ids=[], **kwargs)
+    return {"tokens": r.tokens, "ttft_s": len(ids) / r.prompt_tps, "prefill_tps": r.prompt_tps,
+            "decode_tps": r.generation_tps, "peak_memory_gb": r.peak_memory, "tau": r.tau,
+            "histogram": r.histogram, "cycles": r.cycles}
+
+
+def measure(
+    target: Any,
+    drafter: Any,
+    tokenizer: Any,
+    conversations: list[Conversation],
+    *,
+    max_tokens: int = 256,
+    block_size: Optional[int] = None,
+    window: Optional[int] = None,
+    sinks: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: Optional[int] = 0,
+    repeats: int = 1,
+    on_record: Callable[[dict[str, Any]], None] = lambda record: None,
+) -> list[dict[str, Any]]:
+    """One record per prompt (per turn for multi-turn conversations), after a warm-up of both paths."""
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    dflash_kwargs = dict(max_tokens=max_tokens, block_size=block_size, window=window, sinks=sinks, **sampling)
+    warm = tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    _plain(target, warm, 4, window, sinks, **sampling)
+    _dflash(target, drafter, tokenizer, warm, **dict(dflash_kwargs, max_tokens=4))
+    records = []
+
+    def paired(name: str, turn: int, ids: list[int]) -> dict[str, Any]:
+        runs = []
+        for r in range(repeats):
+            got = {}
+            for path in ("plain", "dflash") if r % 2 == 0 else ("dflash", "plain"):
+                got[path] = (_plain(target, ids, max_tokens, window, sinks, **sampling) if path == "plain"
+                             else _dflash(target, drafter, tokenizer, ids, **dflash_kwargs))
+            runs.append(got)
+        record = _record(name, turn, ids, runs, temperature)
+        records.append(record)
+        on_record(record)
+        return record
+
+    for conv in conversations:
+        if conv.token_ids is not None:
+            paired(conv.name, 0, conv.token_ids)
+            continue
+        history: list[dict[str, str]] = []
+        for turn, text in enumerate(conv.turns):  # multi-turn: later turns carry the replies
+            history.append({"role": "user", "content": text})
+            ids = (tokenizer.apply_chat_template(history, add_generation_prompt=True)
+                   if tokenizer.has_chat_template else tokenizer.encode(text))
+            record = paired(conv.name, turn, ids)
+            history.append({"role": "assistant", "content": tokenizer.decode(record["dflash"]["tokens"])})
+    return records
+
+
+def _median_of(runs: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    first = dict(runs[0][path])
+    for key in ("ttft_s", "prefill_tps", "decode_tps", "peak_memory_gb"):
+        first[key] = statistics.median(run[path][key] for run in runs)
+    return first
+
+
+def _record(name: str, turn: int, ids: list[int], runs: list[dict[str, Any]], temperature: float) -> dict[str, Any]:
+    plain, dflash = _median_of(runs, "plain"), _median_of(runs, "dflash")
+    longest, distinct = repetition(dflash["tokens"])
+    identical = plain["tokens"] == dflash["tokens"] if temperature == 0 else None
+    flags = []
+    if identical is False:
+        flags.append("differs from plain")
+    if degenerate(dflash["tokens"]):
+        flags.append("degenerate loop")
+    return {
+        "prompt": name, "turn": turn, "prompt_tokens": len(ids), "generated_tokens": len(dflash["tokens"]),
+        "plain": plain, "dflash": dflash,
+        "speedup": dflash["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0,
+        "tau": dflash["tau"], "acceptance_histogram": dflash["histogram"],
+        "identical": identical, "longest_repeat": longest, "distinct_4gram_ratio": distinct,
+        "flagged": flags,
+    }
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, min and max over the prompts that were not flagged."""
+    kept = [r for r in records if not r["flagged"]]
+    metrics = {
+        "speedup": lambda r: r["speedup"],
+        "tau": lambda r: r["tau"],
+        "plain_decode_tps": lambda r: r["plain"]["decode_tps"],
+        "dflash_decode_tps": lambda r: r["dflash"]["decode_tps"],
+        "dflash_prefill_tps": lambda r: r["dflash"]["prefill_tps"],
+        "dflash_ttft_s": lambda r: r["dflash"]["ttft_s"],
+        "dflash_peak_memory_gb": lambda r: r["dflash"]["peak_memory_gb"],
+    }
+    summary: dict[str, Any] = {"prompts": len(records), "flagged": len(records) - len(kept)}
+    for name, get in metrics.items():
+        values = [get(r) for r in kept]
+        summary[name] = ({"median": statistics.median(values), "min": min(values), "max": max(values)}
+                         if values else None)
+    histogram: list[int] = []
+    for r in kept:
+        for k, count in enumerate(r["acceptance_histogram"]):
+            histogram += [0] * (k + 1 - len(histogram))
+            histogram[k] += count
+    summary["acceptance_histogram"] = histogram
+    return summary
+
+
+def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: str) -> None:
+    """Speedup and tau against prompt length, and the acceptance histogram (optional extra ``plot``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
+    kept = sorted((r for r in records if not r["flagged"]), key=lambda r: r["prompt_tokens"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = [r["prompt_tokens"] for r in kept]
+    ax1.plot(x, [r["speedup"] for r in kept], "o-", label="speedup (dflash / plain decode tok/s)")
+    ax1.plot(x, [r["tau"] for r in kept], "s--", label="tau (tokens per cycle)")
+    ax1.set_xlabel("prompt tokens")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    hist = summary["acceptance_histogram"]
+    ax2.bar(range(len(hist)), hist)
+    ax2.set_xlabel("accepted drafts per cycle")
+    ax2.set_ylabel("cycles")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
