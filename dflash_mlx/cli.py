@@ -479,3 +479,76 @@ def bench(
         _write_atomic(json_out, json.dumps(report, indent=1))
     if plot_out:
         b.plot(records, summary, plot_out)
+
+
+def _duration(text: str) -> float:
+    """'90', '90s', '15m' or '1.5h' in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise DFlashError(f"--time takes a duration like 90s, 15m or 1.5h, got {text!r}") from None
+
+
+@app.command()
+@user_errors
+def train(
+    target: str = typer.Argument(..., help="Target to train a drafter for: repo id or folder."),
+    out: str = typer.Option(..., "--out", "-o", help="Folder for the drafter (z-lab layout) and its checkpoint."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL of prompts [default: a small built-in set]."),
+    layers: int = typer.Option(1, "--layers", help="Draft layers."),
+    block_size: int = typer.Option(16, "--block-size", help="Block size to train for."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps [default: 200]."),
+    time_budget: Optional[str] = typer.Option(None, "--time", help="Training time instead of steps, e.g. 15m."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, cosine, 4% warmup)."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
+) -> None:
+    """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .train import train as run
+
+    if steps is not None and time_budget is not None:
+        raise DFlashError("pass --steps or --time, not both")
+    ids = None
+    if target_layer_ids:
+        try:
+            ids = [int(x) for x in target_layer_ids.split(",")]
+        except ValueError:
+            raise DFlashError(f"--target-layer-ids takes comma-separated integers, got {target_layer_ids!r}") from None
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                   TimeElapsedColumn(), console=err, transient=True)
+    tasks: dict[str, Any] = {}
+
+    def show(event: dict[str, Any]) -> None:
+        phase = event.get("phase")
+        if phase == "done":
+            return
+        if not tasks:
+            bar.start()
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=event.get("total") or event.get("steps") or 1, info="")
+        if phase == "train":
+            info = f"loss {event['loss']:.3f} | {event['tokens_per_s']:.0f} tok/s | lr {event['lr']:.1e}"
+            done = event["progress"] * bar.tasks[tasks[phase]].total
+        else:
+            info, done = f"{event.get('done', 0)}/{event.get('total', 0)}", event.get("done", 0)
+        bar.update(tasks[phase], completed=done, info=info)
+
+    budget = _duration(time_budget) if time_budget else None
+    try:
+        result = run(target, out, prompts=prompts, layers=layers, block_size=block_size, target_layer_ids=ids,
+                     steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
+    finally:
+        if tasks:  # started by the first progress event: stopping an unstarted bar prints a blank line
+            bar.stop()
+    tau = f"{result.tau:.2f}" if result.tau is not None else "n/a"
+    Console(highlight=False).print(
+        f"{result.output}: {result.steps} steps, final loss {result.loss:.3f}, "
+        f"{result.tokens_per_s:.0f} tok/s, held-out tau {tau} (block {block_size})",
+        soft_wrap=True,
+    )

@@ -80,7 +80,8 @@ def check_target_folder(path: Path) -> None:
     check_model_type(model_type)
 
 
-def _load_target_model(path: Path) -> tuple[Any, Any]:
+def load_target(path: Path) -> tuple[Any, Any]:
+    """The mlx-lm model and tokenizer in ``path``, or a one-line error naming the problem."""
     from mlx_lm.utils import load as mlx_lm_load
 
     check_target_folder(path)  # before reading gigabytes of weights
@@ -111,7 +112,7 @@ def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any
     drafter = load_drafter(resolve(draft, "drafter"))
     if target is None:
         raise DFlashError(f"no target given for drafter {draft}: pass target=... (--target on the CLI)")
-    model, tokenizer = _load_target_model(resolve(target, "target"))
+    model, tokenizer = load_target(resolve(target, "target"))
     tgt = Target(model, drafter.target_layer_ids)
     check_pair(tgt, drafter)
     dtype = tgt.dtype

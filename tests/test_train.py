@@ -1,0 +1,314 @@
+"""The drafter trainer: objective pieces checked exactly, then whole runs on a tiny target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from dflash_mlx import DFlashError, fixtures, generate, load
+from dflash_mlx.drafter import Drafter, DrafterArgs
+from dflash_mlx.train import (
+    block_attention_mask,
+    block_forward,
+    block_labels,
+    load_checkpoint,
+    sample_anchors,
+    train,
+)
+from helpers import plain_greedy
+
+PROMPTS = [
+    {"prompt": "def fibonacci(n):"},
+    {"prompt": "The quick brown fox"},
+    {"prompt": "import json\nimport os"},
+    {"messages": [{"role": "user", "content": "Sort a list in Python."}, {"role": "assistant", "content": "x"}]},
+    {"prompt": "class Parser:"},
+    {"prompt": "Write a haiku about rain."},
+    {"prompt": "What is 17 * 23?"},
+    {"prompt": "for i in range(10):"},
+    {"prompt": "Explain recursion."},
+    {"prompt": "SELECT name FROM users"},
+]
+# Small but real: blocks of 8, a few dozen tokens per reply.
+SMALL = dict(block_size=8, anchors=8, response_tokens=24, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("train")
+    fixtures.write_target(root / "target", fixtures.target_config("qwen3", num_hidden_layers=4), seed=0)
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(workdir):
+    """One 40-step run with evaluation, shared by the tests that inspect its output."""
+    events: list[dict] = []
+    result = train(
+        str(workdir / "target"), str(workdir / "trained"), prompts=str(workdir / "prompts.jsonl"),
+        steps=40, eval_prompts=2, checkpoint_every=20, progress=events.append, **SMALL,
+    )
+    return result, events
+
+
+# --- the objective, piece by piece ------------------------------------------------------------
+
+
+def test_block_mask_hides_anchor_context_and_other_blocks():
+    """Two blocks of 2 at anchors 3 and 5 over 6 context positions; T = visible."""
+    T, F = True, False
+    expected = np.array([
+        # context 0..5        block 0   block 1
+        [T, T, T, F, F, F,    T, T,     F, F],  # block 0 (anchor 3): context 0..2 only
+        [T, T, T, F, F, F,    T, T,     F, F],
+        [T, T, T, T, T, F,    F, F,     T, T],  # block 1 (anchor 5): context 0..4 only
+        [T, T, T, T, T, F,    F, F,     T, T],
+    ])
+    np.testing.assert_array_equal(block_attention_mask([3, 5], 6, 2), expected)
+
+
+def test_labels_position_k_predicts_anchor_plus_k():
+    seq = list(range(100, 130))
+    np.testing.assert_array_equal(block_labels(seq, [2, 10], 4), [[103, 104, 105], [111, 112, 113]])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = sample_anchors(rng, prompt_len=7, seq_len=30, block_size=8, n=12)
+        assert a.min() >= 7 and a.max() + 8 - 1 < 30  # anchors in the reply, whole block in the sequence
+
+
+ROPES = {
+    "plain": None,
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_training_forward_equals_inference_drafter(rope):
+    """Three blocks in one masked pass equal three inference calls, each with a fresh cache fed
+    the context features of positions 0..a-1: positions, RoPE (also scaled RoPE) and mask agree.
+    Feeding 0..a instead (the published bug) gives different states, so the check is sharp."""
+    target = fixtures.target_config(hidden_size=64, num_hidden_layers=6)
+    config = fixtures.drafter_config(target, 2, block_size=4, target_layer_ids=[1, 4], rope_scaling=ROPES[rope])
+    mx.random.seed(7)
+    drafter = Drafter(DrafterArgs.from_dict(config))
+    for name, value in tree_flatten(drafter.parameters()):
+        scaled = 0.5 + mx.random.uniform(shape=value.shape) if "norm" in name else value * 3.0
+        drafter.load_weights([(name, scaled)], strict=False)
+    B, L, anchors = 4, 14, [3, 9, 6]
+    features = mx.random.normal((1, L, 2 * 64))
+    embeddings = mx.random.normal((1, len(anchors) * B, 64))
+    mask = mx.array(block_attention_mask(anchors, L, B))[None, None]
+    trained = block_forward(drafter, features, embeddings, mx.array([anchors]), mask)
+    for j, a in enumerate(anchors):
+        block = embeddings[:, j * B : (j + 1) * B]
+        inference = drafter(block, features[:, :a], drafter.make_cache())
+        np.testing.assert_allclose(np.array(trained[0, j * B : (j + 1) * B]), np.array(inference[0]), rtol=1e-4, atol=1e-4)
+        leaky = drafter(block, features[:, : a + 1], drafter.make_cache())
+        assert not np.allclose(np.array(trained[0, j * B : (j + 1) * B]), np.array(leaky[0]), atol=1e-3)
+
+
+# --- whole runs ---------------------------------------------------------------------------------
+
+
+def test_loss_decreases(trained):
+    result, events = trained
+    losses = result.losses
+    assert len(losses) == result.steps == 40
+    assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5]), losses
+    train_events = [e for e in events if e["phase"] == "train"]
+    assert [e["step"] for e in train_events] == list(range(1, 41))
+    assert all(e["tokens_per_s"] > 0 and e["lr"] > 0 for e in train_events)
+    assert events[-1]["phase"] == "done" and events[-1]["tau"] == result.tau
+
+
+def test_held_out_prompts_are_never_trained_on(trained, workdir):
+    result, _ = trained
+    data = json.loads((result.output / "data.json").read_text())
+    assert len(data["eval"]) >= 2 and len(data["train"]) + len(data["eval"]) == len(PROMPTS)
+    train_prompts = {tuple(s["prompt"]) for s in data["train"]}
+    assert not train_prompts & {tuple(p) for p in data["eval"]}
+    assert result.tau is not None and 1.0 <= result.tau <= 8
+
+
+def test_checkpoint_loads_publicly_and_decodes_losslessly(trained, workdir):
+    result, _ = trained
+    config = json.loads((result.output / "config.json").read_text())
+    reference = fixtures.drafter_config(fixtures.target_config("qwen3", num_hidden_layers=4), 1, target_layer_ids=[2])
+    assert set(config) == set(reference)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [2]}  # the tokenizer's <|mask|>
+    target, drafter, tokenizer = load(str(result.output), str(workdir / "target"))
+    for prompt in ["The quick brown fox", "def parse(text):"]:
+        ids = tokenizer.encode(prompt)
+        out = generate(target, drafter, tokenizer, ids, max_tokens=40)
+        assert out.tokens == plain_greedy(target.model, ids, 40, eos=tokenizer.eos_token_ids)
+
+
+def test_memorised_replies_are_drafted_back(workdir):
+    """End to end, training is inference: a drafter overfitted on a few replies drafts those very
+    replies almost fully (tau near B = 4) when decoding their prompts, which needs labels,
+    positions and the block layout to mean at training what they mean at inference. (A context
+    leak up to the anchor can still be memorised around; the forward-equality test catches it.)"""
+    prompts = workdir / "few.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS[:5]) + "\n")
+    result = train(str(workdir / "target"), str(workdir / "overfit"), prompts=str(prompts), steps=80, lr=3e-3,
+                   block_size=4, anchors=16, response_tokens=24, eval_prompts=0)
+    target, drafter, tokenizer = load(str(result.output), str(workdir / "target"))
+    data = json.loads((result.output / "data.json").read_text())
+    taus = [generate(target, drafter, tokenizer, s["prompt"], max_tokens=24).tau for s in data["train"]]
+    assert np.mean(taus) > 3.0, taus
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _stop_at(step: int):
+    def progress(event: dict) -> None:
+        if event["phase"] == "train" and event["step"] == step:
+            raise Interrupted
+    return progress
+
+
+def _weights(out: Path) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in mx.load(str(out / "model.safetensors")).items()}
+
+
+def test_resume_continues_exactly(workdir):
+    """Resume restores step, weights and AdamW state exactly.
+
+    A run of N+M steps straight equals one interrupted after N and resumed (same seed): the
+    weights match bit for bit. "N steps, then resume to N+M" cannot match the straight run:
+    the cosine schedule spans the run's step budget, so the first run decayed its learning
+    rate to ~0 over N steps and the resumed one re-stretches it over N+M. What that path can
+    show is checked instead: the step count continues, the earlier losses are kept, and the
+    restored optimizer state equals the saved one.
+    """
+    common = dict(prompts=str(workdir / "prompts.jsonl"), eval_prompts=0, checkpoint_every=3, seed=1, **SMALL)
+    target = str(workdir / "target")
+
+    short = workdir / "resume-short"
+    first = train(target, str(short), steps=6, **common)
+    mx.random.seed(123)  # a resumed run must not depend on the global RNG
+    drafter = Drafter(DrafterArgs.from_dict(json.loads((short / "config.json").read_text())))
+    optimizer = optim.AdamW(learning_rate=1.0)
+    state = load_checkpoint(short / "checkpoint", drafter, optimizer)
+    saved = mx.load(str(short / "checkpoint" / f"optimizer-{state['tag']}.safetensors"))
+    restored = dict(tree_flatten(optimizer.state))
+    assert state["step"] == 6 and set(restored) == set(saved) and any(k.endswith(".v") for k in saved)
+    for k in saved:
+        np.testing.assert_array_equal(np.array(restored[k]), np.array(saved[k]))
+    steps_seen: list[int] = []
+    more = train(target, str(short), steps=10, resume=True,
+                 progress=lambda e: e["phase"] == "train" and steps_seen.append(e["step"]), **common)
+    assert steps_seen == [7, 8, 9, 10] and more.steps == 10
+    assert more.losses[:6] == first.losses
+
+    straight = train(target, str(workdir / "resume-straight"), steps=10, **common)
+    split = workdir / "resume-split"
+    with pytest.raises(Interrupted):
+        train(target, str(split), steps=10, progress=_stop_at(6), **common)
+    resumed = train(target, str(split), steps=10, resume=True, **common)
+    assert resumed.losses == straight.losses
+    a, b = _weights(straight.output), _weights(resumed.output)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_time_budget_run(workdir):
+    events: list[dict] = []
+    result = train(str(workdir / "target"), str(workdir / "timed"), prompts=str(workdir / "prompts.jsonl"),
+                   time_budget=0.5, eval_prompts=0, progress=events.append, **SMALL)
+    train_events = [e for e in events if e["phase"] == "train"]
+    assert result.steps >= 1 and train_events[-1]["progress"] == 1.0 and train_events[-1]["steps"] is None
+    assert result.tau is None
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def _bad_target(root: Path, kind: str) -> str:
+    path = root / f"bad-{kind}"
+    path.mkdir(exist_ok=True)
+    if kind == "deepseek":
+        (path / "config.json").write_text(json.dumps(fixtures.target_config("deepseek_v3")))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("deepseek", "'deepseek_v3' is not supported"),
+        ("no-config", "has no config.json"),
+        ("missing", "no such folder"),
+        ("missing-prompts", "no such file"),
+        ("empty-prompts", "is empty"),
+        ("bad-line", "line 2 is not valid JSON"),
+        ("bad-row", 'line 1: expected {"prompt"'),
+        ("layers", "layers must be >= 1"),
+        ("block", "block_size must be >= 2"),
+        ("budgets", "either steps or time_budget"),
+        ("no-resume", "pass --resume"),
+        ("changed", "was trained with block_size=8"),
+    ],
+)
+def test_bad_input_is_one_clear_error(case, message, workdir, trained):
+    target, out, kwargs = str(workdir / "target"), str(workdir / f"out-{case}"), dict(SMALL, steps=2)
+    if case in ("deepseek", "no-config"):
+        target = _bad_target(workdir, case)
+    elif case == "missing":
+        target = str(workdir / "no-such-target")
+    elif case == "missing-prompts":
+        kwargs["prompts"] = str(workdir / "no-such.jsonl")
+    elif case in ("empty-prompts", "bad-line", "bad-row"):
+        text = {"empty-prompts": "\n  \n", "bad-line": '{"prompt": "ok"}\n{"prompt": \n', "bad-row": '{"text": 1}\n'}[case]
+        (workdir / f"{case}.jsonl").write_text(text)
+        kwargs["prompts"] = str(workdir / f"{case}.jsonl")
+    elif case == "layers":
+        kwargs["layers"] = 0
+    elif case == "block":
+        kwargs["block_size"] = 1
+    elif case == "budgets":
+        kwargs["time_budget"] = 10.0
+    elif case in ("no-resume", "changed"):
+        out = str(trained[0].output)
+        kwargs.update(prompts=str(workdir / "prompts.jsonl"), eval_prompts=2)
+        if case == "changed":
+            kwargs.update(block_size=4, resume=True)
+    with pytest.raises(DFlashError) as info:
+        train(target, out, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_train_command(tmp_path, models_dir):
+    """`dflash-mlx train` end to end: a loadable drafter, lossless generation, one-line errors."""
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    out = tmp_path / "drafter"
+    args = ["train", str(models_dir / "qwen3"), "-o", str(out), "--steps", "6", "--block-size", "8", "--batch-size", "2"]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out tau" in result.stdout and (out / "checkpoint").is_dir()
+    gen = CliRunner().invoke(app, ["generate", str(out), "-t", str(models_dir / "qwen3"), "-p", "hi", "-m", "30", "--json"])
+    target, _, tokenizer = load(str(out), str(models_dir / "qwen3"))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert json.loads(gen.stdout)["tokens"] == plain_greedy(target.model, ids, 30, eos=tokenizer.eos_token_ids)
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2 and again.stderr.startswith("error:") and "resume" in again.stderr
+    resumed = CliRunner().invoke(app, args[:-4] + ["--steps", "8", "--block-size", "8", "--batch-size", "2", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "8 steps" in resumed.stdout
+    for bad, message in ((["--layers", "0"], "layers must be >= 1"), (["--time", "soon"], "--time takes a duration")):
+        r = CliRunner().invoke(app, ["train", str(models_dir / "qwen3"), "-o", str(tmp_path / "x"), *bad])
+        assert r.exit_code == 2 and message in r.stderr, r.output
