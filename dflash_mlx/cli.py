@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import __version__
@@ -27,7 +28,7 @@ err = Console(stderr=True, highlight=False)
 
 def fail(message: str) -> None:
     """One clear line on stderr, exit status 2."""
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -310,7 +311,7 @@ def chat(
                    min_p=min_p, seed=seed, verify=verify)
     if model is None:
         model = default_pair(machine_description()["memory_bytes"]).drafter
-        err.print(f"[dim]no model given: using {model} (fits this machine's memory)[/]")
+        err.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
     pair = find(model)
     if pair is not None and think is not None and pair.thinking in ("on", "off") and think != (pair.thinking == "on"):
         err.print(f"[yellow]warning:[/] {pair.drafter} was trained with thinking {pair.thinking}; "
@@ -325,7 +326,7 @@ def chat(
     interactive = sys.stdin.isatty()
     out = Console(highlight=False)
     if interactive:
-        out.print(f"[dim]{model} — /help for commands, Ctrl-C stops a reply[/]")
+        out.print(f"[dim]{escape(model)} — /help for commands, Ctrl-C stops a reply[/]")
     interrupts = 0
     while True:
         try:
@@ -363,12 +364,12 @@ def chat(
                     continue
                 try:
                     session.save(arg) if command == "/save" else session.load(arg)
-                    out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {arg} "
+                    out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {escape(arg)} "
                               f"({len(session.messages)} messages)[/]")
                 except DFlashError as e:
-                    out.print(f"[red]error:[/] {e}")
+                    out.print(f"[red]error:[/] {escape(str(e))}")
             else:
-                out.print(f"[red]unknown command {command}[/]; /help lists them")
+                out.print(f"[red]unknown command {escape(command)}[/]; /help lists them")
             continue
         def show(response: GenerationResponse) -> None:
             sys.stdout.write(response.text)

@@ -1,0 +1,167 @@
+"""Build a small but real CPU target/drafter pair from text every machine has: Python's own sources.
+
+1. Train a byte-level BPE tokenizer and a small Qwen3-shaped target LM from scratch on the
+   standard library's .py files (a deterministic file split keeps some files held out).
+2. Distill a drafter for it with `dflash-mlx train` (dflash_mlx.train), on prompts cut from the
+   training files: the drafter learns the target's own greedy continuations.
+3. Measure it with `dflash-mlx bench` (dflash_mlx.bench) on prompts from held-out files: plain
+   decoding and DFlash side by side, greedy, tokens compared.
+
+The pair is cached in bench/.cache/pair-.../ (target/, draft/) and reused; other benchmarks
+can load it with dflash_mlx.load(".../draft", ".../target").
+
+    python bench/build_pair.py [--target-minutes 8] [--draft-minutes 8] [--hidden 384] [--layers 6]
+"""
+
+from __future__ import annotations
+
+from common import CACHE, print_machine  # re-execs with OpenBLAS first
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import sysconfig  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import qwen3  # noqa: E402
+
+import dflash_mlx  # noqa: E402
+from dflash_mlx import bench, fixtures  # noqa: E402
+from dflash_mlx.train import train  # noqa: E402
+
+SEQ = 256
+
+
+def sources(held_out: bool) -> list[Path]:
+    """Standard-library modules, split by a hash of their name (1 in 8 held out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 2000)
+    return [p for p in files if (int(hashlib.md5(p.name.encode()).hexdigest(), 16) % 8 == 0) == held_out]
+
+
+def write_tokenizer(path: Path, files: list[Path], vocab: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|mask|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((p.read_text(errors="ignore") for p in files), trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": None}))
+
+
+def train_target(path: Path, files: list[Path], hidden: int, layers: int, vocab: int, minutes: float) -> None:
+    """Next-token training from scratch, AdamW with warmup and cosine decay, for a time budget."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = np.concatenate([np.array(tok.encode(p.read_text(errors="ignore")).ids + [eos], dtype=np.int32) for p in files])
+    config = fixtures.target_config(
+        "qwen3", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 8 // 3,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 192), vocab_size=vocab,
+        tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=eos,
+    )
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    budget = minutes * 60
+    peak = 2e-3
+    optimizer = optim.AdamW(learning_rate=peak, weight_decay=0.05)
+    rng = np.random.default_rng(0)
+
+    def loss_fn(m, x):
+        logits = m(x[:, :-1])
+        return nn.losses.cross_entropy(logits, x[:, 1:], reduction="mean")
+
+    step_fn = nn.value_and_grad(model, loss_fn)
+    start, step, seen = time.perf_counter(), 0, 0
+    print(f"target: {sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6:.1f}M parameters, "
+          f"{len(ids) / 1e6:.2f}M training tokens, {minutes:g} min", flush=True)
+    while (elapsed := time.perf_counter() - start) < budget:
+        frac = elapsed / budget
+        optimizer.learning_rate = peak * (min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac)))
+        starts = rng.integers(0, len(ids) - SEQ - 1, size=16)
+        x = mx.array(np.stack([ids[s : s + SEQ + 1] for s in starts]))
+        loss, grads = step_fn(model, x)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state, loss)
+        step, seen = step + 1, seen + x.size
+        if step % 50 == 0:
+            print(f"  step {step}: loss {loss.item():.3f}, {seen / (time.perf_counter() - start):.0f} tok/s", flush=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def prompts(files: list[Path], n: int, seed: int) -> list[str]:
+    """Code prefixes: the first lines of a function or class body somewhere in each file."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in rng.permutation(files).tolist()[: n * 3]:
+        lines = Path(p).read_text(errors="ignore").splitlines()
+        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
+        if starts:
+            i = int(rng.choice(starts))
+            out.append("\n".join(lines[max(0, i - 3) : i + 2]) + "\n")
+        if len(out) >= n:
+            break
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target-minutes", type=float, default=8)
+    parser.add_argument("--draft-minutes", type=float, default=8)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    print_machine()
+    folder = CACHE / f"pair-h{args.hidden}-l{args.layers}-v{args.vocab}-t{args.target_minutes:g}-d{args.draft_minutes:g}"
+    target, draft = folder / "target", folder / "draft"
+    train_files, held_out = sources(False), sources(True)
+    tic = time.perf_counter()
+    if not (target / "config.json").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        write_tokenizer(target, train_files, args.vocab)
+        train_target(target, train_files, args.hidden, args.layers, args.vocab, args.target_minutes)
+    if not (draft / "config.json").is_file():
+        (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(train_files, 300, 0)))
+        result = train(str(target), str(draft), prompts=str(folder / "prompts.jsonl"), layers=1,
+                       block_size=args.block_size, time_budget=args.draft_minutes * 60, eval_prompts=16,
+                       response_tokens=args.max_tokens, resume=(draft / "checkpoint").is_dir(),
+                       progress=lambda e: e.get("phase") == "train" and e["step"] % 50 == 0 and print(
+                           f"  drafter step {e['step']}: loss {e['loss']:.3f}, {e['tokens_per_s']:.0f} tok/s", flush=True))
+        print(f"drafter: {result.steps} steps, held-out tau {result.tau:.2f}", flush=True)
+    print(f"pair ready in {folder} ({(time.perf_counter() - tic) / 60:.1f} min this run)")
+
+    tgt, drafter, tokenizer = dflash_mlx.load(str(draft), str(target))
+    conversations = [bench.Conversation(f"held-out-{i}", [p]) for i, p in enumerate(prompts(held_out, 12, 1))]
+    records = bench.measure(tgt, drafter, tokenizer, conversations, max_tokens=args.max_tokens, block_size=args.block_size)
+    summary = bench.summarize(records)
+    print(f"\n{'prompt':>12} | {'plain tok/s':>11} | {'dflash tok/s':>12} | {'speedup':>7} | {'tau':>5} | same | flags")
+    for r in records:
+        print(f"{r['prompt']:>12} | {r['plain']['decode_tps']:>11.1f} | {r['dflash']['decode_tps']:>12.1f} | "
+              f"{r['speedup']:>6.2f}x | {r['tau']:>5.2f} | {'OK' if r['identical'] else 'NO':>4} | {'; '.join(r['flagged'])}")
+    if summary["speedup"]:
+        s, t = summary["speedup"], summary["tau"]
+        print(f"\nheld-out, greedy, block {args.block_size}: speedup median {s['median']:.2f}x "
+              f"(min {s['min']:.2f}, max {s['max']:.2f}), tau median {t['median']:.2f} "
+              f"(min {t['min']:.2f}, max {t['max']:.2f}); {summary['flagged']} of {summary['prompts']} prompts flagged")
+
+
+if __name__ == "__main__":
+    main()

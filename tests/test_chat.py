@@ -1,0 +1,327 @@
+"""`dflash-mlx chat` end to end: the installed console script, driven through a real pseudo-terminal.
+
+CliRunner cannot test what makes a chat a chat: a tty prompt, Ctrl-C delivered as
+SIGINT by the terminal, Ctrl-D, and the difference between a terminal and a pipe.
+So these tests run the real ``dflash-mlx`` executable under pexpect (and, for the
+piped case, under subprocess) on the tiny Qwen3 pair from ``conftest.models_dir``.
+Only the flag checks, which never reach the prompt, go through CliRunner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pexpect
+import pytest
+from mlx_lm.utils import load_tokenizer
+from typer.testing import CliRunner
+
+from dflash_mlx.chat import ChatSession
+from dflash_mlx.cli import CHAT_HELP, app
+
+CLI = Path(sys.executable).parent / "dflash-mlx"  # the console script of this venv (there is no __main__)
+# A dumb, colourless terminal: output without escape codes. (Rich takes a dumb terminal to be 80
+# columns wide whatever COLUMNS says, so the chats run in a temporary folder and name files relatively:
+# the messages that quote them stay on one line.)
+ENV = {**os.environ, "TERM": "dumb", "COLUMNS": "200", "NO_COLOR": "1", "PYTHONIOENCODING": "utf-8"}
+TIMEOUT = 60  # seconds; loading the models takes a few on a 2-core machine
+# input("> ") always follows a finished line (the pty turns "\n" into "\r\n"). Replies are random text
+# that may hold "> " too, so after a message the tests wait for its stats line before the prompt.
+PROMPT = "\r\n> "
+STATS = re.compile(
+    r"[\d.]+ tok/s \| tau [\d.]+ \| accepted \d+% \| context (?P<context>\d+) tok \| prefilled (?P<prefilled>\d+) tok"
+)
+LONG_MESSAGE = (
+    "Please read this rather long opening message carefully, because it describes in some detail the small "
+    "python program that I would like you to write for me later today"
+)
+SHORT_MESSAGE = "thanks a lot"
+
+pytestmark = pytest.mark.skipif(not CLI.exists(), reason=f"console script {CLI} not installed")
+
+
+def chat_args(models_dir: Path, max_tokens: int = 40) -> list[str]:
+    return ["chat", str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--max-tokens", str(max_tokens)]
+
+
+def _default_sigint() -> None:
+    """Let the terminal's Ctrl-C reach the chat even when pytest itself runs as a background job.
+
+    A shell starts background jobs with SIGINT ignored; children inherit that, and Python
+    then installs no KeyboardInterrupt handler, so Ctrl-C would silently do nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Chat:
+    """One ``dflash-mlx chat`` process on a pseudo-terminal, typed at the way a person would."""
+
+    def __init__(self, models_dir: Path, cwd: Path, max_tokens: int = 40):
+        self.child = pexpect.spawn(
+            str(CLI), chat_args(models_dir, max_tokens), cwd=str(cwd), env=ENV, timeout=TIMEOUT,
+            encoding="utf-8", codec_errors="replace", dimensions=(50, 200), preexec_fn=_default_sigint,
+        )
+        self.child.expect_exact(PROMPT)  # the banner, then the first prompt
+        self.banner = self.child.before
+
+    def type(self, line: str) -> None:
+        """Send a line and wait for the terminal's echo, so later matches see only the program's output."""
+        self.child.sendline(line)
+        self.child.expect_exact(line + "\r\n")
+
+    def command(self, line: str) -> str:
+        """Run a slash command; return what it printed before the next prompt."""
+        self.type(line)
+        self.child.expect_exact(PROMPT)
+        return self.child.before.replace("\r\n", "\n").strip()
+
+    def say(self, message: str) -> dict[str, int]:
+        """Send a message; wait for the reply's stats line and the next prompt. Returns context and prefilled."""
+        self.type(message)
+        self.child.expect(STATS)
+        stats = {k: int(v) for k, v in self.child.match.groupdict().items()}
+        self.child.expect_exact(PROMPT)
+        return stats
+
+    def wait_exit(self) -> Optional[int]:
+        """The exit status once the program has ended by itself (None if a signal killed it)."""
+        self.child.expect(pexpect.EOF)
+        self.child.close()
+        return self.child.exitstatus
+
+    def kill(self) -> None:
+        if self.child.isalive():
+            self.child.terminate(force=True)
+
+
+@pytest.fixture
+def spawn(models_dir, tmp_path):
+    """Start chats (in tmp_path) for a test and make sure none outlives it, whatever the test's outcome."""
+    chats: list[Chat] = []
+
+    def start(max_tokens: int = 40) -> Chat:
+        chats.append(Chat(models_dir, tmp_path, max_tokens))
+        return chats[-1]
+
+    yield start
+    for chat in chats:
+        chat.kill()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models_dir):
+    """The target's own tokenizer: the ChatML template the chat renders every turn with."""
+    return load_tokenizer(models_dir / "qwen3")
+
+
+def prompt_length(tokenizer, messages: list[dict], generation_prompt: bool = True) -> int:
+    """Tokens of the conversation as ChatSession renders it (no system prompt, template's thinking default)."""
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt))
+
+
+# --- 1. turns reuse the caches -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_turns(models_dir, tmp_path_factory):
+    """A long first message and a short second one; both stats lines and the saved conversation.
+
+    Module-scoped: the two cache tests below read the same conversation.
+    """
+    folder = tmp_path_factory.mktemp("two_turns")
+    chat = Chat(models_dir, folder)
+    try:
+        first = chat.say(LONG_MESSAGE)
+        second = chat.say(SHORT_MESSAGE)
+        assert chat.command("/save chat.json") == "saved to chat.json (4 messages)"
+        chat.type("/quit")
+        assert chat.wait_exit() == 0
+    finally:
+        chat.kill()
+    return first, second, json.loads((folder / "chat.json").read_text())["messages"]
+
+
+def test_each_turn_prints_stats_for_its_prompt(two_turns, tokenizer):
+    """Turn 1 prefills its whole prompt (the caches start empty) and the context grows turn by turn."""
+    first, second, messages = two_turns
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert [messages[0]["content"], messages[2]["content"]] == [LONG_MESSAGE, SHORT_MESSAGE]
+    assert first["prefilled"] == prompt_length(tokenizer, messages[:1])
+    assert first["prefilled"] < first["context"] < second["context"]
+    assert 0 < second["prefilled"] < second["context"]
+
+
+def test_second_turn_prefills_only_the_new_message(two_turns, tokenizer):
+    """The point of the chat command: turn 2 costs its own message, not the whole conversation."""
+    first, second, messages = two_turns
+    new_turn = prompt_length(tokenizer, messages[:3]) - prompt_length(tokenizer, messages[:2], generation_prompt=False)
+    # Besides the new turn, only the reply's last token (emitted, never fed to the target) and the
+    # "<|im_end|>\n" closing the reply are missing from the caches.
+    assert second["prefilled"] <= new_turn + 3, (second, new_turn)
+    assert second["prefilled"] < first["context"]
+
+
+# --- 2. /save, /reset, /load ---------------------------------------------------------------------
+
+
+def test_save_reset_load(spawn, tmp_path, tokenizer):
+    """A saved conversation comes back whole; being reloaded, its history is prefilled (nothing is cached)."""
+    path = tmp_path / "conversation.json"
+    chat = spawn()
+    chat.say("hello there")
+    chat.say("how are you")
+    assert chat.command(f"/save {path.name}") == f"saved to {path.name} (4 messages)"
+    saved = json.loads(path.read_text())
+    assert saved["system"] is None
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"] * 2
+    assert [m["content"] for m in saved["messages"][::2]] == ["hello there", "how are you"]
+
+    assert chat.command("/reset") == "conversation reset"
+    assert chat.command("/stats") == "no reply yet"
+    assert chat.command(f"/load {path.name}") == f"loaded {path.name} (4 messages)"
+    assert chat.command("/stats") == "no reply yet"  # loading starts a fresh conversation
+
+    stats = chat.say("tell me more")
+    full = saved["messages"] + [{"role": "user", "content": "tell me more"}]
+    assert stats["prefilled"] == prompt_length(tokenizer, full)
+    line = chat.command("/stats")
+    assert STATS.fullmatch(line) and f"prefilled {stats['prefilled']} tok" in line
+    chat.command(f"/save {path.name}")
+    assert [m["role"] for m in json.loads(path.read_text())["messages"]] == ["user", "assistant"] * 3
+    chat.type("/quit")
+    assert chat.wait_exit() == 0
+
+
+# --- 3. Ctrl-C ----------------------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path):
+    """Ctrl-C mid-reply stops it (keeping the words), the next message is answered, two Ctrl-C leave.
+
+    1000 tokens take several seconds here, so the interrupt, sent as soon as the reply
+    streams, lands mid-reply; the second reply must finish, which keeps this test short.
+    """
+    chat = spawn(max_tokens=1000)
+    chat.type("Tell me a long story")
+    chat.child.expect(r"[\s\S]")  # the reply has started streaming
+    chat.child.sendintr()
+    chat.child.expect_exact("stopped")
+    chat.child.expect_exact(PROMPT)
+
+    stats = chat.say("and then")
+    assert stats["prefilled"] > 0
+    chat.command("/save after-ctrl-c.json")
+    messages = json.loads((tmp_path / "after-ctrl-c.json").read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2
+    assert messages[1]["content"]  # the interrupted reply's words stay in the history
+
+    chat.child.sendintr()
+    chat.child.expect_exact("Ctrl-C again or /quit to leave")
+    chat.child.expect_exact(PROMPT)
+    chat.child.sendintr()
+    assert chat.wait_exit() == 0
+
+
+def test_ctrl_d_leaves(spawn):
+    """End of input at the prompt (Ctrl-D) ends the chat normally."""
+    chat = spawn()
+    chat.child.sendeof()
+    assert chat.wait_exit() == 0
+
+
+# --- 4. commands --------------------------------------------------------------------------------
+
+
+def test_commands(spawn):
+    """/help lists every command; mistakes get a message and the chat goes on; /quit exits 0."""
+    chat = spawn()
+    assert "/help for commands" in chat.banner
+    help_text = chat.command("/help")
+    assert help_text == CHAT_HELP
+    for command in ("/reset", "/system", "/stats", "/save", "/load", "/quit", "/help"):
+        assert re.search(rf"^\s*{command}\b", help_text, re.M), command
+
+    assert chat.command("/foo") == "unknown command /foo; /help lists them"
+    assert chat.command("/save") == "usage: /save FILE"
+    assert chat.command("/load missing.json").startswith("error: cannot load conversation missing.json")
+    assert chat.command("/system You are terse.") == "system prompt set; conversation reset"
+    assert chat.say("hello")["prefilled"] > 0  # still answering after all that
+    chat.type("/quit")
+    assert chat.wait_exit() == 0
+
+
+def test_brackets_in_commands_are_printed_verbatim(models_dir, tmp_path):
+    """What the user typed is text, not markup: it is echoed as typed and never ends the chat."""
+    (tmp_path / "a[/x]").mkdir(parents=True)  # the folder x inside a[
+    run = subprocess.run([str(CLI), *chat_args(models_dir)], input="/foo[/x]\nhello\n/save a[/x]/c.json\n", cwd=tmp_path,
+                         capture_output=True, text=True, encoding="utf-8", env=ENV, timeout=TIMEOUT)
+    assert "Traceback" not in run.stderr and run.returncode == 0, run.stderr
+    assert "unknown command /foo[/x]; /help lists them" in run.stdout
+    assert "saved to a[/x]/c.json (2 messages)" in run.stdout
+
+
+# --- 5. piped stdin -----------------------------------------------------------------------------
+
+
+def test_piped_stdin(models_dir, pairs):
+    """Lines from a pipe are messages: no banner, no prompts, the replies on stdout, exit 0 at EOF."""
+    run = subprocess.run([str(CLI), *chat_args(models_dir)], input="hello\nhow are you\n", capture_output=True,
+                         text=True, encoding="utf-8", env=ENV, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    stats = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(stats) == 2 and all(STATS.fullmatch(line) for line in stats), run.stderr
+
+    # The same conversation in-process: stdout must be exactly the two replies, a newline after each.
+    target, drafter, tokenizer = pairs["qwen3"]
+    session = ChatSession(target, drafter, tokenizer, options=dict(max_tokens=40))
+    replies = [session.reply(message).text for message in ("hello", "how are you")]
+    assert run.stdout == "".join(reply + "\n" for reply in replies)
+
+
+# --- 6. bad flags -------------------------------------------------------------------------------
+
+
+def _fails(args: list[str]) -> str:
+    """Run chat through CliRunner; it must exit 2 with one 'error:' line and no traceback. Returns the line."""
+    result = CliRunner().invoke(app, ["chat", *args])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output and result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_window_smaller_than_block(models_dir):
+    line = _fails([str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "--window", "2", "-b", "4"])
+    assert line.startswith("error: window (2) must be at least the block size (4)")
+
+
+def test_window_smaller_than_drafter_block(models_dir):
+    """Without -b the drafter's own block size (16) is checked, once it is loaded."""
+    line = _fails([str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "--window", "8"])
+    assert line.startswith("error: window (8) must be at least the block size (16)")
+
+
+def test_missing_model_paths(models_dir, tmp_path):
+    assert "no such folder" in _fails([str(tmp_path / "nope"), "-t", str(models_dir / "qwen3")])
+    assert "no such folder" in _fails([str(models_dir / "qwen3-dflash"), "-t", str(tmp_path / "nope")])
+
+
+@pytest.mark.parametrize("name", ["nope[/x]", "nope[bold]"])
+def test_error_names_the_path_as_typed(models_dir, tmp_path, name):
+    path = str(tmp_path / name)
+    assert path in _fails([path, "-t", str(models_dir / "qwen3")])
+
+
+def test_unknown_drafter_needs_target():
+    line = _fails(["Unknown-Model-XYZ"])
+    assert "unknown drafter" in line and "--target" in line
