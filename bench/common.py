@@ -10,10 +10,11 @@ from dflash_mlx.system import blas_library, is_reference_blas, machine_descripti
 
 reexec_with_openblas()  # before any work: it may restart this process
 
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Optional  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
@@ -88,3 +89,14 @@ def print_machine() -> dict[str, Any]:
     shown = dict(info, memory_bytes=f"{info['memory_bytes'] / 2**30:.1f} GiB")
     print("machine: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     return info
+
+
+def median_time(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median wall time of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)

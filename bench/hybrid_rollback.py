@@ -23,12 +23,10 @@ It also runs plain decoding and DFlash side by side on the same hybrid target.
 
 from __future__ import annotations
 
-from common import CACHE, plain, print_machine, prompt_ids  # re-execs with OpenBLAS first
+from common import CACHE, median_time, plain, print_machine, prompt_ids  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -57,16 +55,6 @@ def build_hybrid(hidden: int, layers: int) -> Path:
         fixtures.write_drafter(Path(tmp) / "pair" / "draft", draft, dtype=mx.float32)
         (Path(tmp) / "pair").rename(folder)
     return folder
-
-
-def timed(fn, reps: int = 10) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - tic)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -112,7 +100,7 @@ def main() -> None:
                 c.offset = len(ids)
         mx.eval(target.model(block, cache=model_cache), [c.state for c in model_cache])
 
-    t_base = timed(baseline)
+    t_base = median_time(baseline)
     caches = {flag: prefilled(flag) for flag in (True, False)}
     linear_inputs = {i: mx.random.normal((1, B, args.hidden)) for i in linear}
     mx.eval(linear_inputs)
@@ -128,7 +116,7 @@ def main() -> None:
                 target.rollback(cache, B - keep)
                 mx.eval(logits, [c.state for c in cache])
 
-            costs[name] = timed(cycle) - t_base
+            costs[name] = median_time(cycle) - t_base
         cache, snapshot = caches[False]
 
         def relayer() -> None:
@@ -137,7 +125,7 @@ def main() -> None:
                 target.body.layers[i].linear_attn(linear_inputs[i][:, :keep], None, cache[i])
             mx.eval([cache[i].state for i in linear])
 
-        costs["relayer"] = timed(relayer) - timed(lambda: restore(cache, snapshot))
+        costs["relayer"] = median_time(relayer) - median_time(lambda: restore(cache, snapshot))
         rows.append((keep, costs))
 
     print(f"mlx-lm verify forward over {B} tokens: {t_base * 1e3:.2f} ms")

@@ -13,11 +13,10 @@ expected to beat plain decoding here; the overhead ratio is the number to watch.
 
 from __future__ import annotations
 
-from common import build_models, plain, print_machine, prompt_ids  # re-execs with OpenBLAS first
+from common import build_models, median_time, plain, print_machine, prompt_ids  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
@@ -25,16 +24,6 @@ from mlx_lm.generate import generation_stream  # noqa: E402
 
 import dflash_mlx  # noqa: E402
 from dflash_mlx.target import Target  # noqa: E402
-
-
-def median_time(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times)
 
 
 def bare_forwards(target, drafter, ids: list[int], block_size: int, context: int) -> tuple[Callable, Callable]:
