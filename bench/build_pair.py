@@ -10,7 +10,7 @@
 The pair is cached in bench/.cache/pair-.../ (target/, draft/) and reused; other benchmarks
 can load it with dflash_mlx.load(".../draft", ".../target").
 
-    python bench/build_pair.py [--target-minutes 8] [--draft-minutes 8] [--hidden 384] [--layers 6]
+    python bench/build_pair.py [--target-minutes 10] [--draft-minutes 6] [--hidden 256] [--layers 4]
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ def prompts(files: list[Path], n: int, seed: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target-minutes", type=float, default=8)
-    parser.add_argument("--draft-minutes", type=float, default=8)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--target-minutes", type=float, default=10)
+    parser.add_argument("--draft-minutes", type=float, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
@@ -149,7 +149,9 @@ def main() -> None:
     print(f"pair ready in {folder} ({(time.perf_counter() - tic) / 60:.1f} min this run)")
 
     tgt, drafter, tokenizer = dflash_mlx.load(str(draft), str(target))
-    conversations = [bench.Conversation(f"held-out-{i}", [p]) for i, p in enumerate(prompts(held_out, 12, 1))]
+    held = prompts(held_out, 12, 1)
+    (folder / "heldout.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))  # for `dflash-mlx bench`
+    conversations = [bench.Conversation(f"held-out-{i}", [p]) for i, p in enumerate(held)]
     records = bench.measure(tgt, drafter, tokenizer, conversations, max_tokens=args.max_tokens, block_size=args.block_size)
     summary = bench.summarize(records)
     print(f"\n{'prompt':>12} | {'plain tok/s':>11} | {'dflash tok/s':>12} | {'speedup':>7} | {'tau':>5} | same | flags")

@@ -61,7 +61,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def plain(
-    model, ids: list[int], max_tokens: int, prompt_cache: Optional[list[Any]] = None
+    model, ids: list[int], max_tokens: int, prompt_cache: Optional[list[Any]] = None, sampler: Any = None
 ) -> tuple[list[int], float, float]:
     """Greedy mlx-lm decoding: tokens, decode tok/s (tokens after the first, from the first), prefill tok/s.
 
@@ -70,7 +70,8 @@ def plain(
     """
     tokens, stamps = [], []
     tic = time.perf_counter()
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens, prompt_cache=prompt_cache):
+    steps = generate_step(mx.array(ids), model, max_tokens=max_tokens, prompt_cache=prompt_cache, sampler=sampler)
+    for token, _ in steps:
         stamps.append(time.perf_counter())
         tokens.append(int(token))
     return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]), len(ids) / (stamps[0] - tic)

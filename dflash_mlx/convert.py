@@ -86,8 +86,10 @@ def _write_drafter(drafter: nn.Module, source: Path, out: Path, dtype: Optional[
         drafter.update(cast_floats(drafter.parameters(), getattr(mx, dtype)))
     config = json.loads((source / "config.json").read_text())
     if bits is not None:
+        # Layers whose input width the group size does not divide stay in float.
         nn.quantize(drafter, group_size=group_size, bits=bits,
-                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and (quantize_fc or p != "fc"))
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and (quantize_fc or p != "fc")
+                    and m.weight.shape[-1] % group_size == 0)
         config["quantization"] = {"group_size": group_size, "bits": bits}
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())),
                         metadata={"format": "mlx"})

@@ -205,3 +205,16 @@ def test_doctor(monkeypatch, tmp_path):
         assert fragment in result.stdout
     if sys.platform == "linux":
         assert "BLAS" in result.stdout
+
+
+def test_draft_quantize_skips_layers_the_group_size_does_not_divide(models_dir, tmp_path):
+    """Input widths of 64 (projections) cannot take groups of 128; 128-wide down_proj can."""
+    out = tmp_path / "q"
+    result = _run("convert", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "-o", out,
+                  "--draft-quantize", "4bit", "--q-group-size", "128")
+    assert result.exit_code == 0, result.output
+    target, drafter, tokenizer = load(str(out))
+    layer = drafter.layers[0]
+    assert hasattr(layer.mlp.down_proj, "scales") and not hasattr(layer.self_attn.q_proj, "scales")
+    ids = tokenizer.encode("hello")
+    assert generate(target, drafter, tokenizer, ids, max_tokens=40, eos_token_ids=[]).tokens == plain_greedy(target.model, ids, 40)
