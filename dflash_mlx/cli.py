@@ -203,13 +203,16 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    table = Table(title="DFlash drafters (z-lab)", show_lines=False)
-    for col in ("drafter", "target", "arch", "runs", "thinking", "block", "~GB", "local"):
-        table.add_column(col, no_wrap=col in ("drafter", "local"))
+    table = Table(title="DFlash drafters (z-lab/...)", show_lines=False)
+    widths = {"runs": 4, "think": 5, "~GB": 4, "local": 10}
+    for col in ("drafter", "target", "runs", "think", "~GB", "local"):
+        table.add_column(col, overflow="fold", min_width=widths.get(col))
     for r in rows:
         local = "converted" if r["converted"] else ("downloaded" if r["downloaded"] else "")
-        table.add_row(r["drafter"], r["target"], r["architecture"], "yes" if r["supported"] else "[dim]not yet[/]",
-                      r["thinking"], str(r["block_size"]), str(r["memory_gb"]), local)
+        runs = "yes" if r["supported"] else f"[dim]not yet ({r['architecture']})[/]"
+        table.add_row(r["drafter"].removeprefix("z-lab/"), r["target"], runs, r["thinking"], str(r["memory_gb"]), local)
+    blocks = sorted({r["block_size"] for r in rows})
+    table.caption = f"block size {', '.join(map(str, blocks))}; --json has every field"
     Console(highlight=False).print(table)
 
 
@@ -245,7 +248,7 @@ def doctor() -> None:
     from .system import blas_library, find_openblas, is_reference_blas, machine_description
 
     info = machine_description()
-    out = Console(highlight=False)
+    out = Console(highlight=False, soft_wrap=True)
     backend = "Metal GPU" if info["backend"] == "metal" else "CPU"
     memory = info["memory_bytes"] / 2**30
     if info["backend"] == "metal":

@@ -37,8 +37,10 @@ def resolve(name: str, what: str, allow_patterns: Optional[list[str]] = None) ->
         raise DFlashError(f"{what} {name}: no such folder or Hugging Face repo") from None
     except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "connect" in reason.lower() or isinstance(e, LocalEntryNotFoundError):
+            reason = "offline, or the Hugging Face Hub is unreachable"
         raise DFlashError(
-            f"cannot download {what} {name} ({reason}); pass a local folder instead"
+            f"cannot download {what} {name} ({reason}); pass a local folder or a converted bundle instead"
         ) from None
 
 
