@@ -48,7 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.generate import generate_step
 
 from .drafter import Drafter, DrafterArgs, default_target_layer_ids, load_drafter
@@ -621,28 +621,38 @@ def train(
         return state["step"] / steps if steps is not None else state["elapsed"] / time_budget
 
     tokens, seconds = 0, 0.0
-    while done_fraction() < 1:
-        tic = time.perf_counter()
-        rng = np.random.default_rng([seed, state["step"]])
-        picks = rng.choice(len(sequences), size=min(batch_size, len(sequences)), replace=False)
-        batch = make_batch(tgt, [sequences[i] for i in picks], rng, anchors, block_size, mask_token)
-        rate = learning_rate(done_fraction(), lr)
-        optimizer.learning_rate = rate
-        loss, grads = loss_and_grad(batch)
-        grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
-        optimizer.update(drafter, grads)
-        mx.eval(drafter.parameters(), optimizer.state, loss)
-        elapsed = time.perf_counter() - tic
-        state["step"] += 1
-        state["elapsed"] += elapsed
-        state["losses"].append(loss.item())
-        tokens, seconds = tokens + batch.tokens, seconds + elapsed
-        if state["step"] % checkpoint_every == 0 or done_fraction() >= 1:
-            save_checkpoint(checkpoint, drafter, optimizer, state)
-        report({
-            "phase": "train", "step": state["step"], "steps": steps, "progress": min(1.0, done_fraction()),
-            "loss": state["losses"][-1], "lr": rate, "tokens_per_s": tokens / seconds, "elapsed": state["elapsed"],
-        })
+    # The state after the last completed step (arrays are immutable: holding them costs no copy),
+    # so that Ctrl-C mid-step still checkpoints a consistent step and loses nothing.
+    good = (drafter.parameters(), tree_map(lambda x: x, optimizer.state), json.loads(json.dumps(state)))
+    try:
+        while done_fraction() < 1:
+            tic = time.perf_counter()
+            rng = np.random.default_rng([seed, state["step"]])
+            picks = rng.choice(len(sequences), size=min(batch_size, len(sequences)), replace=False)
+            batch = make_batch(tgt, [sequences[i] for i in picks], rng, anchors, block_size, mask_token)
+            rate = learning_rate(done_fraction(), lr)
+            optimizer.learning_rate = rate
+            loss, grads = loss_and_grad(batch)
+            grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
+            optimizer.update(drafter, grads)
+            mx.eval(drafter.parameters(), optimizer.state, loss)
+            elapsed = time.perf_counter() - tic
+            state["step"] += 1
+            state["elapsed"] += elapsed
+            state["losses"].append(loss.item())
+            good = (drafter.parameters(), tree_map(lambda x: x, optimizer.state), json.loads(json.dumps(state)))
+            tokens, seconds = tokens + batch.tokens, seconds + elapsed
+            if state["step"] % checkpoint_every == 0 or done_fraction() >= 1:
+                save_checkpoint(checkpoint, drafter, optimizer, state)
+            report({
+                "phase": "train", "step": state["step"], "steps": steps, "progress": min(1.0, done_fraction()),
+                "loss": state["losses"][-1], "lr": rate, "tokens_per_s": tokens / seconds, "elapsed": state["elapsed"],
+            })
+    except KeyboardInterrupt:
+        drafter.update(good[0])
+        optimizer.state = good[1]
+        save_checkpoint(checkpoint, drafter, optimizer, good[2])
+        raise
 
     export(out_dir, drafter, config)
     tau = evaluate(tgt, tokenizer, out_dir, data["eval"][:eval_prompts], block_size, response_tokens, report)

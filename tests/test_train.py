@@ -224,6 +224,26 @@ def test_resume_continues_exactly(workdir):
         np.testing.assert_array_equal(a[k], b[k])
 
 
+def test_ctrl_c_checkpoints_the_last_completed_step(workdir):
+    """Ctrl-C between checkpoints loses nothing: resuming continues from the step it stopped at."""
+    common = dict(prompts=str(workdir / "prompts.jsonl"), eval_prompts=0, checkpoint_every=50, seed=1, **SMALL)
+    target = str(workdir / "target")
+    straight = train(target, str(workdir / "ctrlc-straight"), steps=8, **common)
+
+    def interrupt(event: dict) -> None:
+        if event["phase"] == "train" and event["step"] == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(target, str(workdir / "ctrlc"), steps=8, progress=interrupt, **common)
+    assert json.loads((workdir / "ctrlc" / "checkpoint" / "state.json").read_text())["step"] == 5
+    resumed = train(target, str(workdir / "ctrlc"), steps=8, resume=True, **common)
+    assert resumed.losses == straight.losses
+    a, b = _weights(straight.output), _weights(resumed.output)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
 def test_time_budget_run(workdir):
     events: list[dict] = []
     result = train(str(workdir / "target"), str(workdir / "timed"), prompts=str(workdir / "prompts.jsonl"),
