@@ -19,7 +19,7 @@ from .target import Target, check_model_type
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve(name: str, what: str, allow_patterns: Optional[list[str]] = None) -> Path:
+def resolve(name: str, what: str) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id, downloaded (or taken from the cache)."""
     path = Path(name).expanduser()
     if path.exists():
@@ -32,7 +32,7 @@ def resolve(name: str, what: str, allow_patterns: Optional[list[str]] = None) ->
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(name, allow_patterns=allow_patterns))
+        return Path(snapshot_download(name))
     except RepositoryNotFoundError:
         raise DFlashError(f"{what} {name}: no such folder or Hugging Face repo") from None
     except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
