@@ -49,7 +49,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator
 
 from .drafter import Drafter, DrafterArgs, default_target_layer_ids, load_drafter
 from .errors import DFlashError
@@ -90,6 +90,7 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
 WARMUP = 0.04  # share of training spent warming up
 GRAD_CLIP = 1.0
 CHECKPOINT = "checkpoint"
+REPLY_BATCH = 32  # replies generated at once
 
 
 @dataclass
@@ -164,14 +165,29 @@ def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
     return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))
 
 
-def respond(model: nn.Module, prompt: list[int], max_tokens: int, eos: frozenset[int]) -> list[int]:
-    """The target's greedy reply, EOS included, so the drafter also learns to propose the end of a reply."""
-    reply: list[int] = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        reply.append(int(token))
-        if reply[-1] in eos:
-            break
-    return reply
+def respond(
+    model: nn.Module, prompts: list[list[int]], max_tokens: int, eos: frozenset[int], progress: Progress
+) -> list[list[int]]:
+    """The target's greedy replies, EOS included so the drafter also learns to end a reply.
+
+    Generated in batches by mlx-lm's ``BatchGenerator`` (several times the throughput of
+    one prompt at a time; same tokens on the fixture pair).
+    """
+    generator = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in sorted(eos)],
+                               completion_batch_size=REPLY_BATCH)
+    try:
+        uids = generator.insert(prompts)
+        replies: dict[int, list[int]] = {uid: [] for uid in uids}
+        done = 0
+        while responses := generator.next_generated():
+            for r in responses:
+                replies[r.uid].append(int(r.token))  # on a "stop" finish this is the EOS token
+                if r.finish_reason is not None:
+                    done += 1
+                    progress({"phase": "generate", "done": done, "total": len(prompts)})
+    finally:
+        generator.close()
+    return [replies[uid] for uid in uids]
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -194,12 +210,9 @@ def prepare_data(
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
             return cached
-    eos = frozenset(tokenizer.eos_token_ids)
-    train = []
-    for i, prompt in enumerate(train_prompts):
-        ids = encode(tokenizer, prompt)
-        train.append({"prompt": ids, "response": respond(model, ids, response_tokens, eos)})
-        progress({"phase": "generate", "done": i + 1, "total": len(train_prompts)})
+    ids = [encode(tokenizer, p) for p in train_prompts]
+    replies = respond(model, ids, response_tokens, frozenset(tokenizer.eos_token_ids), progress)
+    train = [{"prompt": p, "response": r} for p, r in zip(ids, replies)]
     data = {"key": key, "train": train, "eval": [encode(tokenizer, p) for p in held_out]}
     out.mkdir(parents=True, exist_ok=True)
     _atomic(path, lambda p: p.write_text(json.dumps(data)))

@@ -139,6 +139,21 @@ def test_held_out_prompts_are_never_trained_on(trained, workdir):
     assert result.tau is not None and 1.0 <= result.tau <= 8
 
 
+def test_replies_are_the_targets_greedy_replies(trained, workdir):
+    """Batched generation must not change what the drafter learns from: each cached reply is the
+    target's one-prompt-at-a-time greedy reply, plus the EOS token when it stopped on one."""
+    result, _ = trained
+    target, _, tokenizer = load(str(result.output), str(workdir / "target"))
+    eos = set(tokenizer.eos_token_ids)
+    data = json.loads((result.output / "data.json").read_text())
+    for sample in data["train"]:
+        reply = sample["response"]
+        assert 0 < len(reply) <= SMALL["response_tokens"]
+        expected = plain_greedy(target.model, sample["prompt"], SMALL["response_tokens"], eos=eos)
+        assert [t for t in reply if t not in eos] == expected
+        assert all(t not in eos for t in reply[:-1])
+
+
 def test_checkpoint_loads_publicly_and_decodes_losslessly(trained, workdir):
     result, _ = trained
     config = json.loads((result.output / "config.json").read_text())
