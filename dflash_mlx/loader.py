@@ -26,7 +26,8 @@ def resolve(name: str, what: str) -> Path:
         if not path.is_dir():
             raise DFlashError(f"{what} {name} is a file; expected a model folder")
         return path
-    if not _REPO_ID.match(name):
+    if not _REPO_ID.match(name) or path.parent.is_dir():
+        # "models/qwen3" where ./models exists is a mistyped folder, not a repo id.
         raise DFlashError(f"{what} {name}: no such folder")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError

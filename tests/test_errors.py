@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError, fixtures, generate, load
 from dflash_mlx.cli import app
+from dflash_mlx.loader import resolve
 
 
 def _broken_drafter(tmp_path, models_dir, edit=None, name="drafter"):
@@ -101,6 +102,14 @@ def test_missing_paths(tmp_path, models_dir):
     _expect(models_dir, tmp_path / "nope", "no such folder")
     with pytest.raises(DFlashError, match="no such folder"):
         load(str(models_dir / "qwen3-dflash"), str(tmp_path / "nope"))
+
+
+def test_mistyped_relative_folder_is_not_taken_for_a_repo_id(tmp_path, monkeypatch):
+    """"models/qwen" looks like a repo id, but with ./models present it is a missing folder."""
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DFlashError, match="models/qwen: no such folder"):
+        resolve("models/qwen", "target")
 
 
 def test_target_folder_without_model(tmp_path, models_dir):
