@@ -129,7 +129,7 @@ def main() -> None:
     print_machine()
     # The middle layer and the last: the last one's features lifted held-out tau from 1.57 to 1.81
     # over the published rule's middle layer alone (1,484 prompts, 6 min each, same target).
-    layer_ids = [args.layers // 2 - 1, args.layers - 1]
+    layer_ids = sorted({max(0, args.layers // 2 - 1), args.layers - 1})
     folder = CACHE / (f"pair-h{args.hidden}-l{args.layers}-v{args.vocab}-t{args.target_minutes:g}"
                       f"-d{args.draft_minutes:g}-p{args.prompts}-f{'.'.join(map(str, layer_ids))}")
     target, draft = folder / "target", folder / "draft"

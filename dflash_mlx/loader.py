@@ -26,8 +26,7 @@ def resolve(name: str, what: str) -> Path:
         if not path.is_dir():
             raise DFlashError(f"{what} {name} is a file; expected a model folder")
         return path
-    if not _REPO_ID.match(name) or path.parent.is_dir():
-        # "models/qwen3" where ./models exists is a mistyped folder, not a repo id.
+    if not _REPO_ID.match(name):
         raise DFlashError(f"{what} {name}: no such folder")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -40,6 +39,8 @@ def resolve(name: str, what: str) -> Path:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "connect" in reason.lower() or isinstance(e, LocalEntryNotFoundError):
             reason = "offline, or the Hugging Face Hub is unreachable"
+        if path.parent.is_dir():  # "models/qwen3" with ./models present: most likely a mistyped folder
+            raise DFlashError(f"{what} {name}: no such folder (nor could it be downloaded as a repo: {reason})") from None
         raise DFlashError(
             f"cannot download {what} {name} ({reason}); pass a local folder or a converted bundle instead"
         ) from None

@@ -105,7 +105,8 @@ def test_missing_paths(tmp_path, models_dir):
 
 
 def test_mistyped_relative_folder_is_not_taken_for_a_repo_id(tmp_path, monkeypatch):
-    """"models/qwen" looks like a repo id, but with ./models present it is a missing folder."""
+    """"models/qwen" looks like a repo id; when it cannot be fetched and ./models exists, the error
+    names the missing folder rather than a failed download."""
     (tmp_path / "models").mkdir()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DFlashError, match="models/qwen: no such folder"):
