@@ -16,7 +16,9 @@ equal the state after exactly those k tokens. Methods:
 Each method's cost is (its verify + its rollback) minus mlx-lm's own verify forward,
 as a fraction of the latter. The conv state is a slice of the conv input in all three.
 
-It also runs plain decoding and DFlash side by side on the same hybrid target.
+It also measures the peak memory of a chunked prefill with and without replay
+buffers (a prefill chunk is never rolled back, so the engine keeps none), and runs
+plain decoding and DFlash side by side on the same hybrid target.
 
     python bench/hybrid_rollback.py [--hidden 1024] [--layers 8] [--block-size 16] [--max-tokens 64]
 """
@@ -55,6 +57,20 @@ def build_hybrid(hidden: int, layers: int) -> Path:
         fixtures.write_drafter(Path(tmp) / "pair" / "draft", draft, dtype=mx.float32)
         (Path(tmp) / "pair").rename(folder)
     return folder
+
+
+def prefill_peak(target, ids: list[int], chunk: int, undoable: bool) -> float:
+    """Peak memory (GB) of prefilling ``ids`` in chunks, keeping each chunk's replay buffers or not."""
+    cache = target.make_cache()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    for start in range(0, len(ids), chunk):
+        target(mx.array(ids[start : start + chunk])[None], cache, last_logits_only=True, undoable=undoable)
+        mx.eval([c.state for c in cache])
+    peak = mx.get_peak_memory() / 1e9
+    del cache
+    mx.clear_cache()
+    return peak
 
 
 def main() -> None:
@@ -133,6 +149,11 @@ def main() -> None:
     print(f"{'kept':>5} | " + " | ".join(f"{n:>18}" for n in names))
     for keep, costs in rows:
         print(f"{keep:>5} | " + " | ".join(f"{costs[n] * 1e3:7.2f} ms {costs[n] / t_base:7.1%}" for n in names))
+
+    long_ids = prompt_ids(tokenizer, 4096)
+    kept, dropped = (prefill_peak(target, long_ids, 1024, undoable) for undoable in (True, False))
+    print(f"\nprefill of {len(long_ids)} tokens in chunks of 1024, peak memory: replay buffers kept {kept:.3f} GB, "
+          f"not kept (the engine) {dropped:.3f} GB ({dropped / kept - 1:+.1%})")
 
     dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=8, block_size=B, eos_token_ids=[])  # warm-up
     tokens, plain_tps, _ = plain(target.model, ids, args.max_tokens)

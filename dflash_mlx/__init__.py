@@ -4,7 +4,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
-from .generate import DFlashCache, GenerationResponse, GenerationResult, generate, make_cache, stream_generate
+from .caches import DFlashCache, make_cache
+from .generate import GenerationResponse, GenerationResult, generate, stream_generate
 from .loader import load
 from .target import Target
 

@@ -15,7 +15,8 @@ holds which position.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, _BaseCache
@@ -142,14 +143,19 @@ class WindowKVCache(_BaseCache):
         return self._mask(self.key_positions(N), self.offset, N, window)
 
     def block_mask(self, n_context: int, n_block: int) -> mx.array:
-        """Mask for a drafter block written right after ``n_context`` new context tokens.
+        """Mask [n_block, keys] for a drafter block written right after ``n_context`` new context tokens.
 
-        The block attends to all of itself (non-causally), the sinks, and the
-        ``window`` context positions just before it.
+        The block attends to all of itself (non-causally) and to the sinks. Block row
+        i, at absolute position q = first + i, sees context position k when
+        q - k < window: the last ``window - 1 - i`` context positions. That is the
+        public DFlash training recipe's mask (and the rule the target's window
+        follows), so a drafter infers as it was trained.
         """
-        positions = self.key_positions(n_context + n_block)
+        positions = self.key_positions(n_context + n_block)[None]
         first = self.offset + n_context
-        return ((positions >= 0) & ((positions < self.sinks) | (positions >= first - self.window)))[None]
+        rows = mx.arange(first, first + n_block)[:, None]
+        visible = (positions < self.sinks) | (positions >= first) | (positions > rows - self.window)
+        return (positions >= 0) & visible
 
     def is_trimmable(self) -> bool:
         return True
@@ -208,6 +214,7 @@ class RecurrentCache(ArraysCache):
         self.step_states = step_states
         self.replay: Optional[Callable[[int], tuple[mx.array, mx.array]]] = None
         self.last_update = 0
+        self.offset = 0  # tokens consumed, so that every layer's cache can say where it stands
 
     def is_trimmable(self) -> bool:
         return True
@@ -219,4 +226,149 @@ class RecurrentCache(ArraysCache):
             raise ValueError(f"RecurrentCache can only undo its last update ({self.last_update} tokens), asked {n}")
         self[0], self[1] = self.replay(self.last_update - n)
         self.replay, self.last_update = None, 0
+        self.offset -= n
         return n
+
+
+def trim_to(caches: list[Any], length: int) -> None:
+    """Trim every layer's cache back to ``length`` tokens; layers already there are left alone.
+
+    Idempotent, unlike trimming by a count: a trim interrupted halfway can be finished.
+    """
+    for i, c in enumerate(caches):
+        extra = c.offset - length
+        if extra < 0 or (extra and c.trim(extra) != extra):
+            raise RuntimeError(f"layer {i} ({type(c).__name__}) holds {c.offset} tokens, cannot return to {length}")
+
+
+@dataclass(eq=False)
+class DFlashCache:
+    """Target and drafter caches that outlive one generation, and the history they hold.
+
+    Invariant between cycles: every target layer holds exactly ``tokens``; the
+    drafter's context caches hold the features of all of them but the last
+    ``pending``, whose features wait in ``context`` for the next draft. Only the
+    methods below move that state, each keeping the invariant: ``commit`` (a
+    verified cycle or a prefill chunk), ``abandon`` (whatever an unfinished cycle
+    applied is undone) and ``reset``.
+
+    Pass the same cache to successive calls of ``stream_generate`` (a chat): each
+    call prefills only the prompt tokens the cache does not already hold.
+    """
+
+    target: list[Any]
+    drafter: list[Any]  # empty when the block size is 1 (the drafter never runs)
+    window: Optional[int]
+    sinks: int
+    block_size: int
+    tokens: list[int] = field(default_factory=list)  # the committed history, in order
+    context: Optional[mx.array] = None  # [1, pending, F] target features the drafter has not seen
+    fresh: Callable[[], tuple[list[Any], list[Any]]] = field(default=lambda: ([], []), repr=False)
+    _owner: object = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.target + self.drafter)
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.context is None else self.context.shape[1]
+
+    def begin(self, ids: list[int]) -> tuple[int, object]:
+        """Hand the cache to a new generation over ``ids``: (how many leading ids it holds, the lease).
+
+        A generation still in flight on this cache (a generator left suspended) is
+        abandoned first and loses its lease. A history that ``ids`` does not extend
+        starts over empty.
+        """
+        self.abandon()
+        self._owner = lease = object()
+        reused = len(self.tokens)
+        if not (0 < reused < len(ids) and ids[:reused] == self.tokens):
+            self.reset()
+            reused = 0
+        return reused, lease
+
+    def holds_lease(self, lease: object) -> bool:
+        return self._owner is lease
+
+    def take_context(self) -> Optional[mx.array]:
+        """The pending features, for a drafter pass that appends them to its context caches."""
+        context, self.context = self.context, None
+        return context
+
+    def absorb_context(self, drafter: Any) -> None:
+        """Append the pending features to the drafter's context caches without drafting (lazily)."""
+        if self.context is not None:
+            drafter.add_context(self.take_context(), self.drafter)
+
+    def commit(self, kept: list[int], features: mx.array) -> None:
+        """End a cycle: the target keeps its first ``len(kept)`` new positions and drops the rest.
+
+        ``features`` are the target's features of the kept tokens; they are
+        appended to the pending context (never replace it: a cycle that did not
+        draft has not passed the earlier ones to the drafter).
+        """
+        trim_to(self.target, len(self.tokens) + len(kept))
+        self.tokens.extend(kept)
+        if self.drafter:
+            self.context = features if self.context is None else mx.concatenate([self.context, features], axis=1)
+
+    def abandon(self) -> None:
+        """Undo what an unfinished cycle applied: the caches hold ``tokens`` again.
+
+        Safe from any point a generation can stop at (a break, ``close()``, an
+        exception, Ctrl-C). Where an undo is impossible, which the decode loop never
+        leads to, it starts over empty rather than keep a state that disagrees.
+        """
+        n = len(self.tokens)
+        try:
+            trim_to(self.target, n)
+            for c in self.drafter:  # a drafter pass stopped before dropping its block
+                if c.offset > n:
+                    trim_to([c], n)
+            seen = {c.offset for c in self.drafter}
+            if len(seen) > 1:
+                raise RuntimeError("drafter layers disagree")
+            unseen = n - seen.pop() if seen else 0
+            if unseen > self.pending:
+                raise RuntimeError("pending features lost")
+            self.context = self.context[:, self.pending - unseen :] if unseen else None
+        except (RuntimeError, ValueError):
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: empty caches."""
+        self.target, self.drafter = self.fresh()
+        self.tokens = []
+        self.context = None
+
+    def check(self) -> None:
+        """Raise RuntimeError unless the invariant holds (tests call this after every call)."""
+        n = len(self.tokens)
+        for i, c in enumerate(self.target):
+            if c.offset != n:
+                raise RuntimeError(f"target layer {i} holds {c.offset} tokens, the history {n}")
+        for i, c in enumerate(self.drafter):
+            if c.offset + self.pending != n:
+                raise RuntimeError(
+                    f"drafter layer {i} holds {c.offset} tokens and {self.pending} are pending, the history {n}"
+                )
+        if not self.drafter and self.context is not None:
+            raise RuntimeError("pending features without drafter caches")
+
+
+def make_cache(
+    target: Any, drafter: Any, window: Optional[int] = None, sinks: int = 0, block_size: Optional[int] = None
+) -> DFlashCache:
+    """Empty caches for generations of this pair with these settings (see ``stream_generate``)."""
+    block_size = drafter.block_size if block_size is None else block_size
+    if window is not None:
+        check_window(window, sinks, block_size)
+
+    def fresh() -> tuple[list[Any], list[Any]]:
+        drafter_caches = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
+        return target.make_cache(window, sinks, slack=block_size), drafter_caches
+
+    target_caches, drafter_caches = fresh()
+    return DFlashCache(target_caches, drafter_caches, window, sinks, block_size, fresh=fresh)

@@ -1,4 +1,8 @@
-"""Multi-turn chat over one set of caches: each turn prefills only its new tokens."""
+"""Multi-turn chat over one set of caches: each turn prefills only its new tokens.
+
+``ChatSession`` is the conversation; ``run_command`` carries out the chat's slash
+commands on it (the CLI only reads lines and prints).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rich.console import Console
+from rich.markup import escape
+
+from .caches import make_cache
 from .errors import DFlashError
-from .generate import GenerationResponse, GenerationResult, generate, make_cache
+from .files import write_atomic
+from .generate import GenerationResponse, GenerationResult, generate
 
 
 @dataclass
@@ -60,12 +69,20 @@ class ChatSession:
         return encode(full)
 
     def reply(self, text: str, on_response: Optional[Callable[[GenerationResponse], None]] = None) -> GenerationResult:
-        """Answer one user message. Ctrl-C keeps the partial reply in the history and re-raises."""
+        """Answer one user message.
+
+        However the reply ends early, the caches stay valid (the generator abandons
+        its cycle in flight). Ctrl-C keeps the partial reply in the history, so the
+        next turn goes on from it and reuses the caches; any other error drops the
+        message and re-raises.
+        """
         self.messages.append({"role": "user", "content": text})
-        partial: list[str] = []
+        partial_text: list[str] = []
+        partial_tokens: list[int] = []
 
         def collect(response: GenerationResponse) -> None:
-            partial.append(response.text)
+            partial_text.append(response.text)
+            partial_tokens.extend(response.tokens)
             if on_response is not None:
                 on_response(response)
 
@@ -76,10 +93,8 @@ class ChatSession:
                 block_size=self.block_size, window=self.window, sinks=self.sinks, cache=self.cache, **self.options,
             )
         except KeyboardInterrupt:
-            # The caches may hold an unverified block: start them afresh, keep the words.
-            self.messages.append({"role": "assistant", "content": "".join(partial)})
-            self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
-            self.ids = None
+            self.messages.append({"role": "assistant", "content": "".join(partial_text)})
+            self.ids = prompt + partial_tokens
             raise
         except BaseException:
             self.messages.pop()
@@ -100,14 +115,7 @@ class ChatSession:
 
     def save(self, path: str) -> None:
         """The conversation as JSON (system prompt and messages), written atomically."""
-        target = Path(path).expanduser()
-        tmp = target.with_name(f".{target.name}.tmp")
-        try:
-            tmp.write_text(json.dumps({"system": self.system, "messages": self.messages}, indent=1))
-            tmp.replace(target)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise DFlashError(f"cannot save to {target}: {e.strerror or e}") from None
+        write_atomic(path, json.dumps({"system": self.system, "messages": self.messages}, indent=1))
 
     def load(self, path: str) -> None:
         source = Path(path).expanduser()
@@ -121,3 +129,53 @@ class ChatSession:
         self.reset()
         self.system = data.get("system")
         self.messages = list(messages)
+
+
+HELP = """commands:
+  /reset          forget the conversation
+  /system TEXT    set the system prompt (and reset)
+  /stats          statistics of the last reply
+  /save FILE      save the conversation as JSON
+  /load FILE      load a conversation saved with /save
+  /quit           leave (also Ctrl-D; Ctrl-C twice at an empty prompt)
+  /help           this list"""
+
+
+def stats_line(session: ChatSession) -> str:
+    r = session.last
+    assert r is not None
+    context = f"{session.context_tokens}" + (f" (window {session.window})" if session.window else "")
+    return (f"{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
+            f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok")
+
+
+def run_command(session: ChatSession, line: str, out: Console) -> bool:
+    """Carry out one slash command, printing its outcome; False when it asks to leave."""
+    command, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if command == "/quit":
+        return False
+    if command == "/help":
+        out.print(HELP)
+    elif command == "/reset":
+        session.reset()
+        out.print("[dim]conversation reset[/]")
+    elif command == "/system":
+        session.system = arg or None
+        session.reset()
+        out.print("[dim]system prompt set; conversation reset[/]")
+    elif command == "/stats":
+        out.print(stats_line(session) if session.last else "[dim]no reply yet[/]")
+    elif command in ("/save", "/load"):
+        if not arg:
+            out.print(f"[red]usage: {command} FILE[/]")
+            return True
+        try:
+            session.save(arg) if command == "/save" else session.load(arg)
+            out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {escape(arg)} "
+                      f"({len(session.messages)} messages)[/]")
+        except DFlashError as e:
+            out.print(f"[red]error:[/] {escape(str(e))}")
+    else:
+        out.print(f"[red]unknown command {escape(command)}[/]; /help lists them")
+    return True

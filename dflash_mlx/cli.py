@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__
 from .errors import DFlashError
+from .files import write_atomic
 
 app = typer.Typer(
     add_completion=False,
@@ -268,23 +269,6 @@ def doctor() -> None:
     out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (cwd, ~/.cache/dflash-mlx)"))
 
 
-CHAT_HELP = """commands:
-  /reset          forget the conversation
-  /system TEXT    set the system prompt (and reset)
-  /stats          statistics of the last reply
-  /save FILE      save the conversation as JSON
-  /load FILE      load a conversation saved with /save
-  /quit           leave (also Ctrl-D; Ctrl-C twice at an empty prompt)
-  /help           this list"""
-
-
-def _stats_line(session: Any) -> str:
-    r = session.last
-    context = f"{session.context_tokens}" + (f" (window {session.window})" if session.window else "")
-    return (f"{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
-            f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok")
-
-
 @app.command()
 @user_errors
 def chat(
@@ -304,7 +288,7 @@ def chat(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
 ) -> None:
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
-    from .chat import ChatSession
+    from .chat import ChatSession, run_command, stats_line
     from .generate import GenerationResponse
     from .loader import load
     from .registry import default_pair, find
@@ -347,32 +331,8 @@ def chat(
         if not text:
             continue
         if text.startswith("/"):
-            command, _, arg = text.partition(" ")
-            if command == "/quit":
+            if not run_command(session, text, out):
                 break
-            elif command == "/help":
-                out.print(CHAT_HELP)
-            elif command == "/reset":
-                session.reset()
-                out.print("[dim]conversation reset[/]")
-            elif command == "/system":
-                session.system = arg or None
-                session.reset()
-                out.print("[dim]system prompt set; conversation reset[/]")
-            elif command == "/stats":
-                out.print(_stats_line(session) if session.last else "[dim]no reply yet[/]")
-            elif command in ("/save", "/load"):
-                if not arg:
-                    out.print(f"[red]usage: {command} FILE[/]")
-                    continue
-                try:
-                    session.save(arg) if command == "/save" else session.load(arg)
-                    out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {escape(arg)} "
-                              f"({len(session.messages)} messages)[/]")
-                except DFlashError as e:
-                    out.print(f"[red]error:[/] {escape(str(e))}")
-            else:
-                out.print(f"[red]unknown command {escape(command)}[/]; /help lists them")
             continue
         def show(response: GenerationResponse) -> None:
             sys.stdout.write(response.text)
@@ -384,18 +344,7 @@ def chat(
             out.print("\n[yellow]stopped[/]")
             continue
         sys.stdout.write("\n")
-        err.print(f"[dim]{_stats_line(session)}[/]", soft_wrap=True)
-
-
-def _write_atomic(path: str, data: str) -> None:
-    target = Path(path).expanduser()
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        tmp.write_text(data)
-        tmp.replace(target)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise DFlashError(f"cannot write {target}: {e.strerror or e}") from None
+        err.print(f"[dim]{stats_line(session)}[/]", soft_wrap=True)
 
 
 @app.command()
@@ -480,7 +429,7 @@ def bench(
         report = {"model": model, "target": target, "window": window, "sinks": sinks, "block_size": block_size or drafter.block_size,
                   "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
                   "machine": machine_description(), "summary": summary, "records": records}
-        _write_atomic(json_out, json.dumps(report, indent=1))
+        write_atomic(json_out, json.dumps(report, indent=1))
     if plot_out:
         b.plot(records, summary, plot_out)
 

@@ -2,8 +2,13 @@
 
 It has no embedding and no LM head of its own; the target lends both. Context comes
 from target hidden states, fused by ``fc`` + ``hidden_norm`` and injected as extra
-keys/values in every layer, so the block attends (non-causally) to the committed
-context and to itself.
+keys/values in every layer, so the block attends to the committed context and,
+bidirectionally in every layer, to itself. A sliding layer only limits how much
+context each block row sees.
+
+Inference passes per-layer context caches; training passes ``Blocks`` (many blocks
+of a batch at once, explicit positions and masks) through the same modules, so a
+layer cannot train differently from how it drafts.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
@@ -22,6 +28,10 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .caches import WindowKVCache
 from .errors import DFlashError
+from .sampling import Proposal, Sampling
+
+if TYPE_CHECKING:
+    from .target import Target
 
 Cache = Union[KVCache, WindowKVCache]
 
@@ -77,6 +87,9 @@ class DrafterArgs(BaseModelArgs):
             )
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise DFlashError("drafter has sliding_attention layers but no sliding_window")
+        if self.is_causal:
+            # z-lab's code ignores the flag and drafts bidirectionally; refusing beats guessing.
+            raise DFlashError("drafter config says is_causal: true, but DFlash drafts attend bidirectionally")
 
     def value(self, name: str, default: Any = None) -> Any:
         """A setting from dflash_config, else the top-level config (as the reference reads them)."""
@@ -84,10 +97,6 @@ class DrafterArgs(BaseModelArgs):
 
     def layer_window(self, i: int) -> Optional[int]:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-
-    def layer_causal(self, i: int) -> bool:
-        """Sliding layers attend causally inside the block, full ones bidirectionally, unless is_causal says."""
-        return self.layer_types[i] == "sliding_attention" if self.is_causal is None else bool(self.is_causal)
 
     @property
     def mask_token_id(self) -> int:
@@ -103,10 +112,52 @@ class DrafterArgs(BaseModelArgs):
         return [int(i) for i in ids]
 
 
+def block_mask(anchors: np.ndarray, context_len: int, block_size: int, window: Optional[int] = None) -> np.ndarray:
+    """Boolean [N*B, context_len + N*B]: may block row q (of blocks anchored at ``anchors``) see key k.
+
+    Keys are [context positions 0..context_len-1 ; every block's rows]. A block sees
+    the context strictly before its anchor (the anchor's own features are not known
+    when it drafts) and all of its own block, in both directions. With ``window`` W,
+    row i at position anchor + i sees only context k with anchor + i - k < W, the
+    public DFlash training recipe's rule (``WindowKVCache.block_mask`` at inference).
+    """
+    anchors = np.asarray(anchors)
+    rows = (anchors[:, None] + np.arange(block_size)).reshape(-1, 1)  # absolute position of each row
+    starts = np.repeat(anchors, block_size)[:, None]
+    k = np.arange(context_len)[None, :]
+    context = k < starts
+    if window is not None:
+        context &= rows - k < window
+    block_of = np.repeat(np.arange(len(anchors)), block_size)
+    return np.concatenate([context, block_of[:, None] == block_of[None, :]], axis=1)
+
+
+@dataclass
+class Blocks:
+    """Training input in place of the caches: N blocks per sequence, over the whole context at once.
+
+    ``anchors`` [S, N] are the absolute positions of each block's first row; the
+    context (features of positions 0..L-1) sits at its own positions. Masks come
+    from ``block_mask`` for each layer's window.
+    """
+
+    anchors: np.ndarray
+    context_len: int
+    block_size: int
+    _masks: dict[Optional[int], mx.array] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: Optional[int]) -> mx.array:
+        """[S, 1, N*B, L + N*B] for a layer with this window (None: full attention)."""
+        if window not in self._masks:
+            masks = [block_mask(a, self.context_len, self.block_size, window) for a in self.anchors]
+            self._masks[window] = mx.array(np.stack(masks))[:, None]
+        return self._masks[window]
+
+
 class Attention(nn.Module):
-    def __init__(self, args: DrafterArgs, causal: bool = False):
+    def __init__(self, args: DrafterArgs, window: Optional[int] = None):
         super().__init__()
-        self.causal = causal
+        self.window = window  # a sliding layer's window over the context
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = head_dim = args.head_dim
@@ -126,28 +177,49 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def context_kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """Keys (normed, rotated from ``offset``) and values for the rows of ``x``."""
+    def context_kv(self, x: mx.array, offset: Union[int, mx.array]) -> tuple[mx.array, mx.array]:
+        """Keys (normed, rotated from ``offset``) and values [B, kv heads, T, d] for the rows of ``x``."""
         B, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, T, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, context: mx.array, cache: Cache) -> mx.array:
+    def queries(self, x: mx.array, offset: Union[int, mx.array]) -> mx.array:
         B, L, _ = x.shape
-        C = context.shape[1]
-        # One projection over [new context ; block]: both parts share k/v weights.
-        # Context sits at its absolute positions, the block right after it.
-        k, v = self.context_kv(mx.concatenate([context, x], axis=1) if C else x, cache.offset)
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=cache.offset + C)
-        if isinstance(cache, WindowKVCache):
-            mask = cache.make_mask(C + L)[C:] if self.causal else cache.block_mask(C, L)
+        return self.rope(q, offset=offset)
+
+    def __call__(self, x: mx.array, context: mx.array, cache: Union[Cache, Blocks]) -> mx.array:
+        B, L, _ = x.shape
+        if isinstance(cache, Blocks):
+            q, k, v, mask = self._blocks_qkv(x, context, cache)
         else:
-            mask = "causal" if self.causal else None
-        k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+            C = context.shape[1]
+            # One projection over [new context ; block]: both parts share k/v weights.
+            # Context sits at its absolute positions, the block right after it.
+            k, v = self.context_kv(mx.concatenate([context, x], axis=1) if C else x, cache.offset)
+            q = self.queries(x, cache.offset + C)
+            mask = cache.block_mask(C, L) if isinstance(cache, WindowKVCache) else None
+            k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _blocks_qkv(self, x: mx.array, context: mx.array, blocks: Blocks) -> tuple[mx.array, ...]:
+        """Queries, keys, values and mask for training: each block rotated from its own anchor."""
+        S, T, H = x.shape
+        n, b = T // blocks.block_size, blocks.block_size
+        offsets = mx.array(blocks.anchors.reshape(-1))
+        per_block = x.reshape(S * n, b, H)  # one row per block, so that each gets its own RoPE offset
+
+        def merge(t: mx.array) -> mx.array:  # [S*n, heads, b, d] -> [S, heads, n*b, d]
+            return t.reshape(S, n, t.shape[1], b, -1).transpose(0, 2, 1, 3, 4).reshape(S, t.shape[1], n * b, -1)
+
+        q = merge(self.queries(per_block, offsets))
+        block_k, block_v = (merge(t) for t in self.context_kv(per_block, offsets))
+        context_k, context_v = self.context_kv(context, 0)
+        k = mx.concatenate([context_k, block_k], axis=2)
+        v = mx.concatenate([context_v, block_v], axis=2)
+        return q, k, v, blocks.mask(self.window)
 
 
 class MLP(nn.Module):
@@ -162,14 +234,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: DrafterArgs, causal: bool = False):
+    def __init__(self, args: DrafterArgs, window: Optional[int] = None):
         super().__init__()
-        self.self_attn = Attention(args, causal)
+        self.self_attn = Attention(args, window)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, context: mx.array, cache: Cache) -> mx.array:
+    def __call__(self, x: mx.array, context: mx.array, cache: Union[Cache, Blocks]) -> mx.array:
         # The fused context is already normalised by hidden_norm: only the block
         # goes through input_layernorm.
         h = x + self.self_attn(self.input_layernorm(x), context, cache)
@@ -185,7 +257,7 @@ class Drafter(nn.Module):
         n_features = len(args.target_layer_ids)
         self.fc = nn.Linear(n_features * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, args.layer_causal(i)) for i in range(args.num_hidden_layers)]
+        self.layers = [DecoderLayer(args, args.layer_window(i)) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     @property
@@ -237,20 +309,51 @@ class Drafter(nn.Module):
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.context_kv(context, c.offset))
 
-    def __call__(self, block: mx.array, features: mx.array, cache: list[Cache]) -> mx.array:
+    def __call__(self, block: mx.array, features: mx.array, cache: Union[list[Cache], Blocks]) -> mx.array:
         """Hidden states of the block, given its embeddings and the new context features.
 
         ``features`` are target hidden states (the chosen layers, concatenated) of
         tokens not yet in ``cache``. Their K/V are appended to the cache; the block's
         own K/V are dropped again, so the cache holds committed context only.
+        With ``Blocks`` (training) the features are the whole context and nothing is kept.
         """
         context = self.hidden_norm(self.fc(features))
+        caches = [cache] * len(self.layers) if isinstance(cache, Blocks) else cache
         h = block
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers, caches):
             h = layer(h, context, c)
-        for c in cache:
-            c.trim(block.shape[1])
+        if not isinstance(cache, Blocks):
+            for c in cache:
+                c.trim(block.shape[1])
         return self.norm(h)
+
+    def draft_logits(
+        self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int
+    ) -> mx.array:
+        """Logits [n, V] for the block [last, MASK x n], from one pass that also absorbs ``context``."""
+        if context is None:  # everything committed is in the caches already
+            context = mx.zeros((1, 0, len(self.target_layer_ids) * self.args.hidden_size), dtype=target.dtype)
+        block = mx.concatenate([last, mx.full((n,), self.mask_token_id, dtype=last.dtype)])
+        embeddings = target.embed(block[None])
+        if self.input_embedding_scale != 1.0:
+            embeddings = embeddings * self.input_embedding_scale
+        h = self(embeddings, context, cache)
+        return self.compute_logits(target.lm_head(h[:, 1:]))[0]
+
+    def propose(
+        self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int,
+        sampling: Sampling, key: Optional[mx.array],
+    ) -> Proposal:
+        """Draft ``n`` tokens after ``last``; at temperature > 0 also the distribution they came from.
+
+        A drafter kind with another proposal (a subclass) overrides this; the decode
+        loop and verification take whatever ``Proposal`` it returns.
+        """
+        logits = self.draft_logits(target, last, context, cache, n)
+        if sampling.greedy:
+            return Proposal(mx.argmax(logits, axis=-1))
+        q = sampling.logprobs(logits)
+        return Proposal(mx.random.categorical(q, key=key), q)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

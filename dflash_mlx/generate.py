@@ -5,6 +5,11 @@ asynchronously; the previous cycle's tokens are detokenized and handed to the
 caller while the device works (on Metal; MLX's CPU backend does most of the
 work inside ``async_eval`` itself). The host reads the device once per cycle:
 the drafted and verified token ids, from which the accepted length follows.
+
+A cycle is a transaction on the ``DFlashCache``: the loop asks its policy how many
+tokens to draft, the drafter proposes them (``Drafter.propose``), the target
+verifies (``sampling.verify``), and the cycle ends in ``cache.commit``; if the
+caller leaves while a cycle is in flight, ``cache.abandon`` undoes it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from .caches import check_window
+from .caches import DFlashCache, check_window, make_cache
 from .drafter import Drafter
 from .errors import DFlashError
-from .sampling import Sampling, verify_match, verify_rejection
+from .policy import DraftPolicy, FixedBlock
+from .sampling import Proposal, Sampling, verify
 from .target import Target
 
 Prompt = Union[str, Sequence[int], mx.array]
@@ -121,126 +127,76 @@ def _cut(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int]
     return tokens, None
 
 
-def _draft_logits(target: Target, drafter: Drafter, last: mx.array, context: mx.array, cache: list, n: int) -> mx.array:
-    """Logits [n-1, V] for the block [last, MASK x (n-1)], from one drafter pass."""
-    block = mx.concatenate([last, mx.full((n - 1,), drafter.mask_token_id, dtype=last.dtype)])
-    embeddings = target.embed(block[None])
-    if drafter.input_embedding_scale != 1.0:
-        embeddings = embeddings * drafter.input_embedding_scale
-    h = drafter(embeddings, context, cache)
-    return drafter.compute_logits(target.lm_head(h[:, 1:]))[0]
+class _InFlight(NamedTuple):
+    """A cycle the device is computing: the drafter's proposal and the target's verdict on it."""
+
+    proposal: Optional[Proposal]
+    accept: Optional[mx.array]  # per drafted token: does the target agree
+    target_tokens: mx.array  # per block position: the target's token if the cycle stops there
+    features: mx.array  # the target's features of [last ; drafts], for the drafter's next context
 
 
-def _cycle(
-    target: Target,
-    drafter: Drafter,
-    sampling: Sampling,
-    last: mx.array,
-    context: Optional[mx.array],
-    caches: tuple[list, list],
-    n: int,
+def _start_cycle(
+    target: Target, drafter: Drafter, cache: DFlashCache, sampling: Sampling, last: mx.array, n_draft: int,
     key: Optional[mx.array],
-) -> tuple[Optional[mx.array], mx.array, mx.array, mx.array]:
-    """One draft + verify graph: (drafts, accept per draft, token to emit per stop position, features)."""
-    target_cache, draft_cache = caches
-    drafted = q = None
+) -> _InFlight:
+    """Build one cycle's graph (draft ``n_draft`` tokens, verify [last ; drafts]) and start evaluating it."""
+    k_draft = k_verify = None
     if key is not None:
         k_draft, k_verify = mx.random.split(key)
-    if n > 1:
-        draft_logits = _draft_logits(target, drafter, last, context, draft_cache, n)
-        if sampling.greedy:
-            drafted = mx.argmax(draft_logits, axis=-1)
+    with mx.stream(generation_stream):
+        proposal = None
+        if n_draft:
+            proposal = drafter.propose(target, last, cache.take_context(), cache.drafter, n_draft, sampling, k_draft)
+            block = mx.concatenate([last, proposal.tokens])
         else:
-            q = sampling.logprobs(draft_logits)
-            drafted = mx.random.categorical(q, key=k_draft)
-    block = last if drafted is None else mx.concatenate([last, drafted])
-    logits, features = target(block[None], target_cache)
-    if sampling.greedy:
-        stops = mx.argmax(logits[0], axis=-1)
-        accept = drafted == stops[:-1] if drafted is not None else None
-    else:
-        p = sampling.logprobs(logits[0])
-        if drafted is None:
-            accept, stops = None, mx.random.categorical(p, key=k_verify)
-        elif sampling.verify == "match":
-            accept, stops = verify_match(drafted, p, k_verify)
-        else:
-            accept, stops = verify_rejection(drafted, q, p, k_verify)
-    return drafted, accept, stops, features
+            if cache.pending >= cache.block_size:  # decoding plainly: keep the drafter's context up to date
+                cache.absorb_context(drafter)
+            block = last
+        logits, features = target(block[None], cache.target)
+        accept, target_tokens = verify(sampling, proposal, logits[0], k_verify)
+    mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None])
+    return _InFlight(proposal, accept, target_tokens, features)
+
+
+def _read(cycle: _InFlight) -> tuple[list[int], int, list[int]]:
+    """(drafted tokens, how many the target accepted, the target's tokens): the one host read per cycle."""
+    target_tokens = cycle.target_tokens.tolist()
+    drafted = cycle.proposal.tokens.tolist() if cycle.proposal is not None else []
+    accepts = cycle.accept.tolist() if cycle.accept is not None else []
+    accepted = next((i for i, ok in enumerate(accepts) if not ok), len(accepts))
+    return drafted, accepted, target_tokens
 
 
 def _prefill(
-    target: Target,
-    drafter: Drafter,
-    prompt: list[int],
-    cache: "DFlashCache",
-    chunk: int,
+    target: Target, drafter: Drafter, cache: DFlashCache, prompt: list[int], chunk: int,
     progress: Callable[[int, int], None],
-    sampling: Sampling,
-    key: Optional[mx.array],
 ) -> mx.array:
-    """Run ``prompt`` (the tokens the cache lacks) through the target in chunks; return the next token.
+    """Run ``prompt`` (the tokens the cache lacks) through the target in chunks; the last position's logits.
 
     Each chunk's attention sees only what the caches keep, so no prompt-sized mask
-    is ever built. Features of all chunks but the last go straight into the
-    drafter's context cache (windowed like the target's); the last chunk's stay
-    pending in ``cache.context`` for the first draft.
+    is ever built. Each chunk is committed as it goes, so an interrupted prefill
+    leaves the chunks before it in the cache and the next call resumes there. The
+    previous chunk's features enter the drafter's context as the next chunk runs;
+    the last chunk's stay pending for the first draft.
     """
     total = len(prompt)
     progress(0, total)
     for start in range(0, total, chunk):
-        ids = mx.array(prompt[start : start + chunk])[None]
+        ids = prompt[start : start + chunk]
         with mx.stream(generation_stream):
-            if cache.context is not None:
-                drafter.add_context(cache.context, cache.drafter)
-            logits, features = target(ids, cache.target, last_logits_only=True)
-            cache.context = features if cache.drafter else None
-            if start + chunk < total:
-                mx.eval([c.state for c in cache.target + cache.drafter])
+            cache.absorb_context(drafter)
+            logits, features = target(mx.array(ids)[None], cache.target, last_logits_only=True, undoable=False)
+            cache.commit(ids, features)
+        mx.eval(logits, [c.state for c in cache.target + cache.drafter], cache.context)
         progress(min(start + chunk, total), total)
-    cache.tokens.extend(prompt)
-    with mx.stream(generation_stream):
-        logits = logits[0, -1:]
-        last = mx.argmax(logits, axis=-1) if key is None else mx.random.categorical(sampling.logprobs(logits), key=key)
-    mx.eval([x for x in (last, cache.context) if x is not None])
     mx.clear_cache()  # prefill's temporaries are the largest buffers of the run
-    return last
+    return logits[0, -1:]
 
 
-@dataclass
-class DFlashCache:
-    """Target and drafter caches that outlive one generation.
+class _Emitted(NamedTuple):
+    """What the loop hands the caller: one verified cycle's tokens (the prefill's token first)."""
 
-    Pass the same cache to successive calls of :func:`stream_generate` (a chat) and
-    each call prefills only the prompt tokens the cache does not already hold.
-    """
-
-    target: list
-    drafter: list
-    settings: tuple  # (window, sinks, block_size) the caches were built for
-    tokens: list[int] = field(default_factory=list)  # what the target cache holds, in order
-    context: Optional[mx.array] = None  # features of cached tokens the drafter has not seen yet
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.target + self.drafter)
-
-
-def make_cache(
-    target: Target, drafter: Drafter, window: Optional[int] = None, sinks: int = 0, block_size: Optional[int] = None
-) -> DFlashCache:
-    """Empty caches for generations with these settings (see :func:`stream_generate`)."""
-    block_size = drafter.block_size if block_size is None else block_size
-    if window is not None:
-        check_window(window, sinks, block_size)
-    return DFlashCache(
-        target=target.make_cache(window, sinks, slack=block_size),
-        drafter=drafter.make_cache(window, sinks, block_size) if block_size > 1 else [],
-        settings=(window, sinks, block_size),
-    )
-
-
-class _Cycle(NamedTuple):
     tokens: list[int]
     drafted: list[int]
     accepted: int
@@ -249,61 +205,49 @@ class _Cycle(NamedTuple):
 
 
 def _decode(
-    target: Target,
-    drafter: Drafter,
-    cache: DFlashCache,
-    prompt: list[int],
-    max_tokens: int,
-    eos: frozenset[int],
-    prefill_step_size: int,
-    progress: Callable[[int, int], None],
-    sampling: Sampling,
-) -> Iterator[_Cycle]:
-    """Yield each cycle's outcome, the prefill's token first.
+    target: Target, drafter: Drafter, cache: DFlashCache, lease: object, prompt: list[int], max_tokens: int,
+    eos: frozenset[int], prefill_step_size: int, progress: Callable[[int, int], None], sampling: Sampling,
+    policy: DraftPolicy,
+) -> Iterator[_Emitted]:
+    """Prefill, then draft-verify-commit cycles; yield each verified cycle's tokens.
 
-    On return ``cache`` holds exactly the prompt and the emitted tokens, except a
-    last token the target has not consumed yet (the next prompt supplies it).
+    The next cycle is started before the previous one's tokens are yielded, so the
+    caller's work overlaps the device's. However the caller leaves (a break,
+    ``close()``, an exception, Ctrl-C), the cycle in flight is abandoned and the
+    cache holds the committed history: the prompt and the emitted tokens, except
+    possibly the last one, which the target has not consumed yet.
     """
-    block_size = cache.settings[2]
     key = None if sampling.greedy else sampling.key()
-    if key is not None:
-        key, first_key = mx.random.split(key)
-    last = _prefill(target, drafter, prompt, cache, prefill_step_size, progress, sampling,
-                    None if key is None else first_key)
-    last_id = last.item()
-    pending, reason = _cut([last_id], eos, max_tokens)
-    draft_tokens: list[int] = []
-    accepted, emitted = 0, len(pending)
-    while True:
-        if reason is None:
-            n = min(block_size, max_tokens - emitted)
-            if key is not None:
-                key, cycle_key = mx.random.split(key)
-            with mx.stream(generation_stream):
-                drafted, accept, stops, features = _cycle(
-                    target, drafter, sampling, last, cache.context, (cache.target, cache.drafter), n,
-                    None if key is None else cycle_key,
-                )
-            mx.async_eval([x for x in (drafted, accept, stops) if x is not None])
-        # The caller's work on these tokens overlaps the cycle computing above.
-        yield _Cycle(pending, draft_tokens, accepted, reason, cache.nbytes)
-        if reason is not None:
-            return
-        stop_tokens = stops.tolist()  # the one host read per cycle (the rest is ready with it)
-        draft_tokens = drafted.tolist() if drafted is not None else []
-        accepts = accept.tolist() if accept is not None else []
-        accepted = 0
-        while accepted < len(accepts) and accepts[accepted]:
-            accepted += 1
-        pending, reason = _cut(draft_tokens[:accepted] + [stop_tokens[accepted]], eos, max_tokens - emitted)
-        emitted += len(pending)
-        # Keep [last] + accepted drafts in the caches, but no EOS draft nor what follows it.
-        keep = min(accepted, len(pending)) + 1
-        Target.rollback(cache.target, n - keep)
-        cache.tokens.extend([last_id] + draft_tokens[: keep - 1])
-        cache.context = features[:, :keep] if cache.drafter else None
-        last = stops[accepted : accepted + 1]
-        last_id = stop_tokens[accepted]
+    try:
+        if key is not None:
+            key, first_key = mx.random.split(key)
+        logits = _prefill(target, drafter, cache, prompt, prefill_step_size, progress)
+        with mx.stream(generation_stream):
+            last = mx.argmax(logits, -1) if key is None else mx.random.categorical(sampling.logprobs(logits), key=first_key)
+        last_id = last.item()
+        tokens, reason = _cut([last_id], eos, max_tokens)
+        emitted, drafted, accepted = len(tokens), [], 0
+        while True:
+            if reason is None:
+                n_draft = min(policy.draft_length(len(cache.tokens)), max_tokens - emitted - 1)
+                if key is not None:
+                    key, cycle_key = mx.random.split(key)
+                cycle = _start_cycle(target, drafter, cache, sampling, last, n_draft, None if key is None else cycle_key)
+            yield _Emitted(tokens, drafted, accepted, reason, cache.nbytes)  # the previous cycle's tokens
+            if reason is not None:
+                return
+            if not cache.holds_lease(lease):
+                raise DFlashError("another generation took over this cache; this one cannot go on")
+            drafted, accepted, target_tokens = _read(cycle)
+            tokens, reason = _cut(drafted[:accepted] + [target_tokens[accepted]], eos, max_tokens - emitted)
+            emitted += len(tokens)
+            kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
+            cache.commit([last_id] + drafted[:kept], cycle.features[:, : kept + 1])
+            policy.observe(len(drafted), accepted)
+            last, last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
+    finally:
+        if cache.holds_lease(lease):
+            cache.abandon()
 
 
 @contextlib.contextmanager
@@ -374,29 +318,23 @@ def stream_generate(
     eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if cache is None:
         cache = make_cache(target, drafter, window, sinks, block_size)
-    elif cache.settings != (window, sinks, block_size):
+    elif (cache.window, cache.sinks, cache.block_size) != (window, sinks, block_size):
         raise DFlashError(
-            f"cache was made for (window, sinks, block_size) = {cache.settings}, "
-            f"this call uses {(window, sinks, block_size)}"
+            f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
+            f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
         )
-    reused = len(cache.tokens)
-    if not (0 < reused < len(ids) and ids[:reused] == cache.tokens):
-        # A different history (or nothing new to prefill): start from empty caches.
-        fresh = make_cache(target, drafter, window, sinks, block_size)
-        cache.target, cache.drafter, cache.tokens, cache.context = fresh.target, fresh.drafter, [], None
-        reused = 0
+    reused, lease = cache.begin(ids)
     detokenizer = tokenizer.detokenizer
+    decoder = _decode(
+        target, drafter, cache, lease, ids[reused:], max_tokens, eos, prefill_step_size,
+        prompt_progress_callback or (lambda done, total: None), sampling, FixedBlock(block_size),
+    )
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps, first_time, generated = 0.0, 0.0, 0
-    with wired_limit(target.model, [generation_stream]), _release_buffers():
-        for i, cycle in enumerate(
-            _decode(
-                target, drafter, cache, ids[reused:], max_tokens, eos, prefill_step_size,
-                prompt_progress_callback or (lambda done, total: None), sampling,
-            )
-        ):
+    with wired_limit(target.model, [generation_stream]), _release_buffers(), contextlib.closing(decoder):
+        for i, cycle in enumerate(decoder):
             now = time.perf_counter()
             if i == 0:
                 prompt_tps = (len(ids) - reused) / (now - tic)

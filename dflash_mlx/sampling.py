@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -70,6 +70,40 @@ class Sampling:
         return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
+class Proposal(NamedTuple):
+    """What a drafter proposes for one cycle: the drafted tokens and the distribution they came from.
+
+    ``logprobs`` [k, V] are the log-probabilities of the distribution each token
+    was actually drawn from (None at temperature 0, where drafts are argmaxes).
+    Rejection sampling is exact only against that distribution, which need not be
+    a softmax of the drafter's logits (DFlash2's selector draws from a few
+    candidates), so the drafter, not the loop, says what it was.
+    """
+
+    tokens: mx.array  # [k] drafted ids
+    logprobs: Optional[mx.array] = None
+
+
+def verify(
+    sampling: Sampling, proposal: Optional[Proposal], logits: mx.array, key: Optional[mx.array]
+) -> tuple[Optional[mx.array], mx.array]:
+    """Check a proposal against the target's ``logits`` [k+1, V] for [last token ; drafts].
+
+    Returns, per draft, whether it is accepted (None without a proposal) and, per
+    block position, the target's token if the cycle stops there. The cycle keeps
+    the drafts up to the first rejection, then the target's token at that position.
+    """
+    if sampling.greedy:
+        target_tokens = mx.argmax(logits, axis=-1)
+        return (None if proposal is None else proposal.tokens == target_tokens[:-1]), target_tokens
+    p = sampling.logprobs(logits)
+    if proposal is None:
+        return None, mx.random.categorical(p, key=key)
+    if sampling.verify == "match":
+        return verify_match(proposal.tokens, p, key)
+    return verify_rejection(proposal.tokens, proposal.logprobs, p, key)
+
+
 def verify_rejection(
     drafted: mx.array, q: mx.array, p: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:
@@ -91,8 +125,8 @@ def verify_rejection(
     mass = residual.sum(axis=-1, keepdims=True)
     # Where p <= q everywhere (p == q), rejection has probability 0: fall back to p.
     residual = mx.where(mass > 0, mx.log(residual) - mx.log(mx.maximum(mass, 1e-30)), p[:-1])
-    stops = mx.random.categorical(mx.concatenate([residual, p[-1:]]), key=k_resid)
-    return accept, stops
+    target_tokens = mx.random.categorical(mx.concatenate([residual, p[-1:]]), key=k_resid)
+    return accept, target_tokens
 
 
 def verify_match(drafted: mx.array, p: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:

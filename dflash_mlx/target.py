@@ -22,7 +22,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .caches import RecurrentCache, WindowKVCache
+from .caches import RecurrentCache, WindowKVCache, trim_to
 from .errors import DFlashError
 
 # model_type values whose forward this adapter reproduces, each tested lossless.
@@ -49,8 +49,15 @@ def _fused_recurrence() -> bool:
     return mx.default_device() == mx.gpu and mx.metal.is_available()
 
 
-def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:
-    """mlx-lm's GatedDeltaNet forward (Qwen3.5 and Qwen3-Next layouts), leaving a replay in the cache."""
+def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache, undoable: bool) -> mx.array:
+    """mlx-lm's GatedDeltaNet forward (Qwen3.5 and Qwen3-Next layouts).
+
+    With ``undoable`` it leaves a replay in the cache, which keeps this update's
+    projections (and per-step states) alive until the next update: only a verify,
+    which may be rolled back, asks for it; a prefill chunk does not.
+    """
+    if getattr(gdn, "sharding_group", None) is not None:
+        raise DFlashError("sharded GatedDeltaNet layers are not supported yet: run this target on one machine")
     B, S, _ = x.shape
     if hasattr(gdn, "in_proj_qkvz"):  # Qwen3-Next packs the projections
         q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
@@ -80,7 +87,7 @@ def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.a
             q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
         )
 
-    if cache.step_states and S <= cache.slack:
+    if undoable and cache.step_states and S <= cache.slack:
         # One token at a time: what mlx-lm's ops path does anyway, keeping each state.
         outs, steps, state = [], [], old_state
         for t in range(S):
@@ -99,7 +106,8 @@ def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.a
         return mx.contiguous(conv_input[:, keep : keep + n_keep]), kept
 
     cache[0], cache[1] = mx.contiguous(conv_input[:, -n_keep:]), state
-    cache.replay, cache.last_update = replay, S
+    cache.replay, cache.last_update = (replay, S) if undoable else (None, 0)
+    cache.offset += S
     return gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
 
 
@@ -123,7 +131,7 @@ class Target:
             raise DFlashError(
                 f"drafter target_layer_ids {self.layer_ids} out of range for a {n}-layer target (bad: {bad})"
             )
-        self._capture = {i: k for k, i in enumerate(self.layer_ids)}
+        self._capture = set(self.layer_ids)  # a layer listed twice is captured once, used twice
 
     @property
     def num_layers(self) -> int:
@@ -173,12 +181,13 @@ class Target:
         return self.body.embed_tokens.as_linear(h)
 
     def __call__(
-        self, tokens: mx.array, cache: list[Any], last_logits_only: bool = False
+        self, tokens: mx.array, cache: list[Any], last_logits_only: bool = False, undoable: bool = True
     ) -> tuple[mx.array, mx.array]:
         """Logits and the concatenated features of ``layer_ids`` for ``tokens`` ([1, L]).
 
         ``last_logits_only`` skips the vocabulary projection for all but the last
-        position (prefill needs one next token, not L of them).
+        position (prefill needs one next token, not L of them). ``undoable=False``
+        (prefill) keeps no recurrent replay: the update cannot be rolled back.
         """
         h = self.embed(tokens)
         masks: dict[str, Any] = {}
@@ -186,25 +195,21 @@ class Target:
             if kind not in masks:
                 window = self.sliding_window if kind == "sliding" else None
                 masks[kind] = None if kind == "linear" else create_attention_mask(h, cache[i], window_size=window)
-        features: list[mx.array] = [None] * len(self.layer_ids)  # type: ignore[list-item]
+        captured: dict[int, mx.array] = {}
         for i, (layer, c, kind) in enumerate(zip(self.body.layers, cache, self.kinds)):
             if kind == "linear":
-                h = h + _gated_delta_net(layer.linear_attn, layer.input_layernorm(h), c)
+                h = h + _gated_delta_net(layer.linear_attn, layer.input_layernorm(h), c, undoable)
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             else:
                 h = layer(h, masks[kind], c)
             if i in self._capture:
-                features[self._capture[i]] = h
+                captured[i] = h
         if last_logits_only:
             h = h[:, -1:]
         logits = self.lm_head(self.body.norm(h))
-        return logits, mx.concatenate(features, axis=-1)
+        return logits, mx.concatenate([captured[i] for i in self.layer_ids], axis=-1)
 
     @staticmethod
     def rollback(cache: list[Any], n: int) -> None:
         """Forget the last ``n`` positions of every layer's cache (rejected draft tokens)."""
-        if n == 0:
-            return
-        for c in cache:
-            if not c.is_trimmable() or c.trim(n) != n:
-                raise RuntimeError(f"cannot roll back {n} tokens in {type(c).__name__}")
+        trim_to(cache, cache[0].offset - n)

@@ -5,8 +5,8 @@ held-out sets. The target answers each training prompt greedily; those token ids
 in ``OUT/data.json``, so a resumed run never regenerates them. Each step runs the frozen
 target over a few sequences for their features, cuts many blocks [anchor token, MASK x (B-1)]
 out of each response, drafts all blocks of a sequence in one pass of the very ``Drafter``
-inference uses (an explicit mask keeps blocks apart and hides the context from the anchor
-on), and scores block positions 1..B-1 through the target's frozen LM head. The result is a
+inference uses (``drafter.Blocks``: an explicit mask per layer window keeps blocks apart and
+hides the context from the anchor on), and scores block positions 1..B-1 through the target's frozen LM head. The result is a
 z-lab layout checkpoint in OUT, measured by tau on the held-out prompts.
 
 Choices the paper leaves open:
@@ -25,7 +25,7 @@ Choices the paper leaves open:
   query and the block could not tell its positions apart).
 - RoPE. Each block is rotated by the drafter's own rope module with its anchor as offset
   (``mx.fast.rope`` takes one offset per batch row, so blocks become rows), and context keys
-  go through ``Attention.context_kv``: positions are the inference positions by construction.
+  from 0: positions are the inference positions by construction.
 - Schedule. The learning rate is a function of the fraction of training done (steps done /
   steps, or seconds spent / time_budget): linear warmup from 10% over the first 4%, then
   cosine to 0. One rule serves step and time budgets alike.
@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +50,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator
 
-from .drafter import Drafter, DrafterArgs, default_target_layer_ids, load_drafter
+from .drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids, load_drafter
 from .errors import DFlashError
+from .files import write_atomic
 from .generate import encode_prompt, generate
 from .loader import load_target, cast_floats, check_pair, resolve
 from .target import Target
@@ -190,13 +190,6 @@ def respond(
     return [replies[uid] for uid in uids]
 
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary file in the same folder, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")  # mx.save_safetensors wants the suffix
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def prepare_data(
     out: Path, model: nn.Module, tokenizer: Any, train_prompts: list[Prompt], held_out: list[Prompt],
     response_tokens: int, key: dict[str, Any], progress: Progress,
@@ -215,7 +208,7 @@ def prepare_data(
     train = [{"prompt": p, "response": r} for p, r in zip(ids, replies)]
     data = {"key": key, "train": train, "eval": [encode(tokenizer, p) for p in held_out]}
     out.mkdir(parents=True, exist_ok=True)
-    _atomic(path, lambda p: p.write_text(json.dumps(data)))
+    write_atomic(path, json.dumps(data))
     return data
 
 
@@ -260,20 +253,6 @@ def sample_anchors(rng: np.random.Generator, prompt_len: int, seq_len: int, bloc
     return np.sort(rng.choice(valid, size=n, replace=len(valid) < n))
 
 
-def block_attention_mask(anchors: Sequence[int], context_len: int, block_size: int) -> np.ndarray:
-    """Boolean [N*B, context_len + N*B]: may block position q attend to key k.
-
-    Keys are [context positions 0..context_len-1 ; all blocks' positions]. A block sees
-    context strictly before its anchor (at inference the anchor's own features are not
-    yet known) and only its own block, in both directions.
-    """
-    anchors = np.asarray(anchors)
-    block_of = np.repeat(np.arange(len(anchors)), block_size)
-    context = np.arange(context_len)[None, :] < np.repeat(anchors, block_size)[:, None]
-    own_block = block_of[:, None] == block_of[None, :]
-    return np.concatenate([context, own_block], axis=1)
-
-
 def block_labels(seq: Sequence[int], anchors: Sequence[int], block_size: int) -> np.ndarray:
     """[N, B-1]: block position k (1..B-1) predicts seq[anchor + k] (not anchor + k + 1)."""
     return np.asarray(seq)[np.asarray(anchors)[:, None] + np.arange(1, block_size)]
@@ -283,8 +262,7 @@ def block_labels(seq: Sequence[int], anchors: Sequence[int], block_size: int) ->
 class Batch:
     features: mx.array  # [S, L, F] frozen target features, zero-padded to the longest sequence
     embeddings: mx.array  # [S, N*B, H] the target's embeddings of the blocks
-    anchors: mx.array  # [S, N]
-    mask: mx.array  # [S, 1, N*B, L + N*B] from block_attention_mask
+    anchors: np.ndarray  # [S, N] each block's first position
     labels: mx.array  # [S, N, B-1]
 
     @property
@@ -315,55 +293,16 @@ def make_batch(
     return Batch(
         features=mx.stop_gradient(mx.stack(features)).astype(mx.float32),
         embeddings=mx.stop_gradient(target.embed(mx.array(np.stack(blocks)))).astype(mx.float32),
-        anchors=mx.array(np.stack(rows)),
-        mask=mx.array(np.stack([block_attention_mask(a, length, block_size) for a in rows]))[:, None],
+        anchors=np.stack(rows),
         labels=mx.array(np.stack(labels)),
     )
-
-
-def _rope_blocks(rope: nn.Module, x: mx.array, offsets: mx.array, block_size: int) -> mx.array:
-    """[S, T, heads, d] with T = N*B -> [S, heads, T, d], block n rotated from position offsets[s*N + n]."""
-    S, T, n, d = x.shape
-    N = T // block_size
-    x = rope(x.reshape(S * N, block_size, n, d).transpose(0, 2, 1, 3), offset=offsets)
-    return x.reshape(S, N, n, block_size, d).transpose(0, 2, 1, 3, 4).reshape(S, n, T, d)
-
-
-def block_forward(
-    drafter: Drafter, features: mx.array, embeddings: mx.array, anchors: mx.array, mask: mx.array
-) -> mx.array:
-    """Hidden states [S, N*B, H] of all blocks at once: ``Drafter.__call__`` with a mask instead of a cache.
-
-    Context (features of every position, rotated from 0 by ``context_kv``) and blocks
-    (rotated from their anchors) go through the drafter's own modules; ``mask`` decides
-    which block sees what.
-    """
-    S, T, _ = embeddings.shape
-    block_size = T // anchors.shape[1]
-    offsets = anchors.reshape(-1)
-    context = drafter.hidden_norm(drafter.fc(features))
-    h = embeddings
-    for layer in drafter.layers:
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        context_k, context_v = attn.context_kv(context, 0)
-        q = attn.q_norm(attn.q_proj(x).reshape(S, T, attn.n_heads, -1))
-        k = attn.k_norm(attn.k_proj(x).reshape(S, T, attn.n_kv_heads, -1))
-        v = attn.v_proj(x).reshape(S, T, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = _rope_blocks(attn.rope, q, offsets, block_size), _rope_blocks(attn.rope, k, offsets, block_size)
-        out = mx.fast.scaled_dot_product_attention(
-            q, mx.concatenate([context_k, k], axis=2), mx.concatenate([context_v, v], axis=2),
-            scale=attn.scale, mask=mask,
-        )
-        h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(S, T, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h)
 
 
 def block_loss(drafter: Drafter, target: Target, batch: Batch, weights: mx.array) -> mx.array:
     """Position-weighted cross-entropy of block positions 1..B-1 through the target's frozen LM head."""
     S, N, k = batch.labels.shape
-    h = block_forward(drafter, batch.features, batch.embeddings, batch.anchors, batch.mask)
+    blocks = Blocks(batch.anchors, batch.features.shape[1], k + 1)
+    h = drafter(batch.embeddings, batch.features, blocks)  # the inference modules, with training's masks
     h = h.reshape(S, N, k + 1, -1)[:, :, 1:]
     logits = drafter.compute_logits(target.lm_head(h.astype(target.dtype))).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, batch.labels)
@@ -452,11 +391,11 @@ def save_checkpoint(folder: Path, drafter: Drafter, optimizer: optim.Optimizer, 
     """Weights and optimizer state under the step's name, then state.json naming them (the commit point)."""
     folder.mkdir(parents=True, exist_ok=True)
     tag = f"{state['step']:08d}"
-    _atomic(folder / f"drafter-{tag}.safetensors",
+    write_atomic(folder / f"drafter-{tag}.safetensors",
             lambda p: mx.save_safetensors(str(p), dict(tree_flatten(drafter.parameters()))))
-    _atomic(folder / f"optimizer-{tag}.safetensors",
+    write_atomic(folder / f"optimizer-{tag}.safetensors",
             lambda p: mx.save_safetensors(str(p), dict(tree_flatten(optimizer.state))))
-    _atomic(folder / "state.json", lambda p: p.write_text(json.dumps(dict(state, tag=tag))))
+    write_atomic(folder / "state.json", json.dumps(dict(state, tag=tag)))
     for f in folder.glob("*.safetensors"):
         if not f.name.endswith(f"-{tag}.safetensors"):
             f.unlink()
@@ -485,8 +424,8 @@ def export(out: Path, drafter: Drafter, config: dict[str, Any]) -> None:
     """config.json and model.safetensors in the published layout, weights in the target's dtype."""
     dtype = getattr(mx, config["dtype"])
     weights = {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}
-    _atomic(out / "model.safetensors", lambda p: mx.save_safetensors(str(p), weights, metadata={"format": "mlx"}))
-    _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=1)))
+    write_atomic(out / "model.safetensors", lambda p: mx.save_safetensors(str(p), weights, metadata={"format": "mlx"}))
+    write_atomic(out / "config.json", json.dumps(config, indent=1))
 
 
 def evaluate(

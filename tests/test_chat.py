@@ -24,7 +24,8 @@ from mlx_lm.utils import load_tokenizer
 from typer.testing import CliRunner
 
 from dflash_mlx.chat import ChatSession
-from dflash_mlx.cli import CHAT_HELP, app
+from dflash_mlx.chat import HELP as CHAT_HELP
+from dflash_mlx.cli import app
 
 CLI = Path(sys.executable).parent / "dflash-mlx"  # the console script of this venv (there is no __main__)
 # A dumb, colourless terminal: output without escape codes. (Rich takes a dumb terminal to be 80

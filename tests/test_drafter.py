@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx import fixtures
+from dflash_mlx import DFlashError, fixtures
 from dflash_mlx.drafter import Drafter, DrafterArgs, default_target_layer_ids
 
 
@@ -28,8 +28,9 @@ def _rope(x, positions, base):
 def dense_reference(p: dict, args: DrafterArgs, feats: np.ndarray, block: np.ndarray) -> np.ndarray:
     """[context ; block] concatenated explicitly, softmax attention over all of it.
 
-    Full layers use no mask; sliding layers a causal band: query q sees keys k
-    with q - window < k <= q.
+    Full layers use no mask. Sliding layers use the public training recipe's rule:
+    block row i (absolute position q = C + i) sees context key k when q - k < window,
+    and every block position (the block is bidirectional in every layer).
     """
     C, L = len(feats), len(block)
     nh, nkv, hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
@@ -48,7 +49,7 @@ def dense_reference(p: dict, args: DrafterArgs, feats: np.ndarray, block: np.nda
         out = np.zeros((L, nh, hd))
         window = args.layer_window(i)
         qpos, kpos = np.arange(C, C + L)[:, None], np.arange(C + L)[None]
-        visible = (kpos <= qpos) & (qpos - kpos < window) if window else np.ones((L, C + L), bool)
+        visible = (kpos >= C) | (qpos - kpos < window) if window else np.ones((L, C + L), bool)
         for head in range(nh):
             s = q[:, head] @ k[:, head // rep].T / np.sqrt(hd)
             s = np.where(visible, s, -np.inf)
@@ -109,25 +110,59 @@ def test_block_attention_is_not_causal(drafter):
     assert not np.allclose(np.array(a[0, 0]), np.array(b[0, 0]))
 
 
-@pytest.mark.parametrize("C", [9, 40])
-def test_sliding_layers_match_dense_reference_with_window_mask(C):
-    """Newer drafters: sliding_attention layers see only `sliding_window` positions, causally."""
+def _sliding_drafter(window: int = 4) -> Drafter:
     config = fixtures.drafter_config(
         fixtures.target_config(hidden_size=64, num_hidden_layers=6), 2, target_layer_ids=[1, 4],
-        layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=window,
     )
     mx.random.seed(5)
-    model = Drafter(DrafterArgs.from_dict(config))
-    assert [layer.self_attn.causal for layer in model.layers] == [True, False]
+    return Drafter(DrafterArgs.from_dict(config))
+
+
+@pytest.mark.parametrize("C", [2, 9, 40])
+def test_sliding_layers_match_dense_reference_with_window_mask(C):
+    """Newer drafters: a sliding_attention layer's row i sees the last window-1-i context positions."""
+    model = _sliding_drafter()
+    assert [layer.self_attn.window for layer in model.layers] == [4, None]
     feats, block = _inputs(4, C=C, L=5)
     params = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(model.parameters())}
     ref = dense_reference(params, model.args, feats.astype(np.float64), block.astype(np.float64))
     out = model(mx.array(block)[None], mx.array(feats)[None], model.make_cache())
     np.testing.assert_allclose(np.array(out[0]), ref, rtol=2e-4, atol=2e-4)
-    # The window changes the result: a full-attention reading of the same weights differs.
-    full = dense_reference(params, DrafterArgs.from_dict(dict(config, layer_types=["full_attention"] * 2)),
-                           feats.astype(np.float64), block.astype(np.float64))
-    assert not np.allclose(full, ref, atol=1e-3)
+    if C > 4:  # the window changes the result: a full-attention reading of the same weights differs
+        full = dense_reference(params, DrafterArgs.from_dict(dict(model.args.__dict__, layer_types=["full_attention"] * 2)),
+                               feats.astype(np.float64), block.astype(np.float64))
+        assert not np.allclose(full, ref, atol=1e-3)
+
+
+def test_sliding_context_fed_in_pieces_equals_dense_reference():
+    """Context arriving cycle by cycle through the ring (wrapping many times) still gives the reference."""
+    model = _sliding_drafter()
+    feats, block = _inputs(6, C=61, L=5)
+    params = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(model.parameters())}
+    cache = model.make_cache(block_size=5)
+    lo = 0
+    for hi in [3, 4, 9, 10, 17, 30, 31, 45, 61]:
+        out = model(mx.array(block)[None], mx.array(feats[lo:hi])[None], cache)
+        ref = dense_reference(params, model.args, feats[:hi].astype(np.float64), block.astype(np.float64))
+        np.testing.assert_allclose(np.array(out[0]), ref, rtol=2e-4, atol=2e-4, err_msg=f"context {hi}")
+        lo = hi
+
+
+def test_sliding_layers_attend_bidirectionally_in_the_block():
+    """z-lab drafts every layer non-causally: a later block position changes the first one's output."""
+    model = _sliding_drafter()
+    feats, block = _inputs(2, C=3, L=4)
+    a = model(mx.array(block)[None], mx.array(feats)[None], model.make_cache())
+    block[-1] += 1.0
+    b = model(mx.array(block)[None], mx.array(feats)[None], model.make_cache())
+    assert not np.allclose(np.array(a[0, 0]), np.array(b[0, 0]))
+
+
+def test_is_causal_true_is_refused():
+    config = fixtures.drafter_config(fixtures.target_config(), 1, is_causal=True)
+    with pytest.raises(DFlashError, match="is_causal: true"):
+        DrafterArgs.from_dict(config)
 
 
 @pytest.mark.parametrize(

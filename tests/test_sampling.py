@@ -101,8 +101,6 @@ def test_rejection_accepts_at_least_as_much_as_match(peaked, drafter_name):
     pairs, ids = peaked
     target, drafter, tokenizer = pairs[drafter_name]
     sampling = Sampling(temperature=1.0)
-    from dflash_mlx.generate import _draft_logits
-
     seq = plain_greedy(target.model, ids, 40)
     rej, match = [], []
     for k in range(0, 40, 4):
@@ -111,8 +109,8 @@ def test_rejection_accepts_at_least_as_much_as_match(peaked, drafter_name):
         logits, feats = target(mx.array(context)[None], cache)
         p = sampling.logprobs(logits[0, -1])
         # The drafter's first draft position sees the committed context and the last token.
-        q = sampling.logprobs(_draft_logits(target, drafter, mx.array(context[-1:]), feats[:, :-1],
-                                            drafter.make_cache(), 2)[0])
+        q = sampling.logprobs(drafter.draft_logits(target, mx.array(context[-1:]), feats[:, :-1],
+                                                   drafter.make_cache(), 1)[0])
         e_rej = mx.minimum(mx.exp(p), mx.exp(q)).sum().item()
         e_match = (mx.exp(p) * mx.exp(q)).sum().item()
         rej.append(e_rej)

@@ -18,6 +18,7 @@ def _turns(target, drafter, tokenizer, block_size, window=None, eos=(), max_toke
         before = list(cache.tokens)
         out = generate(target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size,
                        eos_token_ids=list(eos), window=window, cache=cache)
+        cache.check()
         ref_cache = target.make_cache(window, 0, 1) if window else None
         assert out.tokens == plain_greedy(target.model, prompt, max_tokens, eos=eos, prompt_cache=ref_cache), f"turn {turn}"
         assert out.prompt_cached == len(before) and prompt[: len(before)] == before
@@ -48,9 +49,11 @@ def test_turn_ending_at_eos_inside_accepted_run(looping, block_size):
     out = generate(target, drafter, tokenizer, ids, max_tokens=200, block_size=block_size,
                    eos_token_ids=[loop_token], cache=cache)
     assert out.finish_reason == "stop"
+    cache.check()
     assert cache.tokens == ids + out.tokens
     follow = ids + out.tokens + tokenizer.encode(" and then")
     out2 = generate(target, drafter, tokenizer, follow, max_tokens=80, block_size=block_size, eos_token_ids=[], cache=cache)
+    cache.check()
     assert out2.prompt_cached == len(ids + out.tokens)
     assert out2.tokens == plain_greedy(target.model, follow, 80)
 
@@ -67,8 +70,10 @@ def test_different_history_starts_over(pairs):
     target, drafter, tokenizer = pairs["qwen3"]
     cache = make_cache(target, drafter, block_size=4)
     generate(target, drafter, tokenizer, PROMPTS[0], max_tokens=10, block_size=4, cache=cache)
+    cache.check()
     ids = tokenizer.encode(PROMPTS[1])
     out = generate(target, drafter, tokenizer, ids, max_tokens=30, block_size=4, eos_token_ids=[], cache=cache)
+    cache.check()
     assert out.prompt_cached == 0 and out.tokens == plain_greedy(target.model, ids, 30)
 
 

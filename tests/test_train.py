@@ -12,10 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import DFlashError, fixtures, generate, load
-from dflash_mlx.drafter import Drafter, DrafterArgs
+from dflash_mlx.drafter import Blocks, Drafter, DrafterArgs, block_mask
 from dflash_mlx.train import (
-    block_attention_mask,
-    block_forward,
     block_labels,
     load_checkpoint,
     sample_anchors,
@@ -71,7 +69,7 @@ def test_block_mask_hides_anchor_context_and_other_blocks():
         [T, T, T, T, T, F,    F, F,     T, T],  # block 1 (anchor 5): context 0..4 only
         [T, T, T, T, T, F,    F, F,     T, T],
     ])
-    np.testing.assert_array_equal(block_attention_mask([3, 5], 6, 2), expected)
+    np.testing.assert_array_equal(block_mask([3, 5], 6, 2), expected)
 
 
 def test_labels_position_k_predicts_anchor_plus_k():
@@ -91,13 +89,15 @@ ROPES = {
 }
 
 
-@pytest.mark.parametrize("rope", list(ROPES))
-def test_training_forward_equals_inference_drafter(rope):
+@pytest.mark.parametrize("rope,window", [(r, None) for r in ROPES] + [("plain", 5)])
+def test_training_forward_equals_inference_drafter(rope, window):
     """Three blocks in one masked pass equal three inference calls, each with a fresh cache fed
     the context features of positions 0..a-1: positions, RoPE (also scaled RoPE) and mask agree.
+    With a sliding layer (window 5, shorter than the context) the per-row window agrees too.
     Feeding 0..a instead (the published bug) gives different states, so the check is sharp."""
     target = fixtures.target_config(hidden_size=64, num_hidden_layers=6)
-    config = fixtures.drafter_config(target, 2, block_size=4, target_layer_ids=[1, 4], rope_scaling=ROPES[rope])
+    extra = {} if window is None else {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window}
+    config = fixtures.drafter_config(target, 2, block_size=4, target_layer_ids=[1, 4], rope_scaling=ROPES[rope], **extra)
     mx.random.seed(7)
     drafter = Drafter(DrafterArgs.from_dict(config))
     for name, value in tree_flatten(drafter.parameters()):
@@ -106,8 +106,7 @@ def test_training_forward_equals_inference_drafter(rope):
     B, L, anchors = 4, 14, [3, 9, 6]
     features = mx.random.normal((1, L, 2 * 64))
     embeddings = mx.random.normal((1, len(anchors) * B, 64))
-    mask = mx.array(block_attention_mask(anchors, L, B))[None, None]
-    trained = block_forward(drafter, features, embeddings, mx.array([anchors]), mask)
+    trained = drafter(embeddings, features, Blocks(np.array([anchors]), L, B))
     for j, a in enumerate(anchors):
         block = embeddings[:, j * B : (j + 1) * B]
         inference = drafter(block, features[:, :a], drafter.make_cache())

@@ -1,0 +1,225 @@
+"""The decode cycle as a transaction: however a generation ends, the cache holds its committed history.
+
+Every test checks ``DFlashCache.check()`` (target layers hold exactly ``cache.tokens``;
+the drafter holds all of them but the pending features) after every call, then
+continues on the same cache and compares with plain greedy decoding of the whole
+history, or with what a fresh cache proposes for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROMPTS
+from helpers import plain_greedy
+
+from dflash_mlx import DFlashError, fixtures, generate, load, make_cache, stream_generate
+from dflash_mlx.chat import ChatSession
+
+FOLLOW = " and then"
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen3.5 target (GatedDeltaNet + attention layers) and a drafter for it."""
+    root = tmp_path_factory.mktemp("hybrid")
+    config = fixtures.target_config("qwen3_5")
+    fixtures.write_target(root / "t", config)
+    fixtures.write_drafter(root / "d", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    return load(str(root / "d"), str(root / "t"))
+
+
+@pytest.fixture(params=["qwen3", "looping", "hybrid"])
+def pair(request, pairs, looping, hybrid):
+    """(target, drafter, tokenizer, prompt ids): random drafts, long accepted runs, recurrent layers."""
+    if request.param == "qwen3":
+        target, drafter, tokenizer = pairs["qwen3"]
+        return target, drafter, tokenizer, tokenizer.encode(PROMPTS[1])
+    if request.param == "looping":
+        target, drafter, tokenizer, ids, _, _ = looping
+        return target, drafter, tokenizer, ids
+    target, drafter, tokenizer = hybrid
+    return target, drafter, tokenizer, tokenizer.encode(PROMPTS[0])
+
+
+def _reference(target, ids, max_tokens, window):
+    cache = target.make_cache(window, 0, 1) if window else None
+    return plain_greedy(target.model, ids, max_tokens, prompt_cache=cache)
+
+
+def _leave(how: str, stream, k: int) -> list[int]:
+    """Consume ``k`` responses of ``stream``, then leave it the way ``how`` says; the tokens received."""
+    got: list[int] = []
+    if how == "break":
+        for i, r in enumerate(stream):
+            got.extend(r.tokens)
+            if i + 1 == k:
+                break
+    elif how == "close":
+        for _ in range(k):
+            got.extend(next(stream).tokens)
+        stream.close()
+    elif how == "raise":
+        with pytest.raises(RuntimeError, match="consumer failed"):
+            for i, r in enumerate(stream):
+                got.extend(r.tokens)
+                if i + 1 == k:
+                    raise RuntimeError("consumer failed")
+    elif how == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            for i, r in enumerate(stream):
+                got.extend(r.tokens)
+                if i + 1 == k:
+                    raise KeyboardInterrupt
+    return got
+
+
+@pytest.mark.parametrize("window", [None, 32])
+@pytest.mark.parametrize("how", ["break", "close", "raise", "interrupt"])
+def test_leaving_the_generator_keeps_the_cache_valid(pair, how, window):
+    target, drafter, tokenizer, ids = pair
+    for k in range(1, 11):
+        cache = make_cache(target, drafter, window=window, block_size=8)
+        got = _leave(how, stream_generate(target, drafter, tokenizer, ids, max_tokens=120, block_size=8,
+                                          eos_token_ids=[], window=window, cache=cache), k)
+        cache.check()
+        assert got == _reference(target, ids, len(got), window)
+        history = ids + got
+        assert history[: len(cache.tokens)] == cache.tokens and len(cache.tokens) >= len(history) - 1
+        follow = history + tokenizer.encode(FOLLOW)
+        out = generate(target, drafter, tokenizer, follow, max_tokens=30, block_size=8, eos_token_ids=[],
+                       window=window, cache=cache)
+        cache.check()
+        assert out.prompt_cached >= len(history) - 1, f"k={k}: the cache was not reused"
+        assert out.tokens == _reference(target, follow, 30, window), f"{how} after {k} responses"
+
+
+def test_a_suspended_generation_loses_the_cache_to_a_new_one(pairs):
+    """A generator left suspended mid-cycle: the next call on its cache abandons that cycle first."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode(PROMPTS[2])
+    cache = make_cache(target, drafter, block_size=4)
+    old = stream_generate(target, drafter, tokenizer, ids, max_tokens=60, block_size=4, eos_token_ids=[], cache=cache)
+    got = [t for _ in range(3) for t in next(old).tokens]
+    follow = ids + got + tokenizer.encode(FOLLOW)
+    out = generate(target, drafter, tokenizer, follow, max_tokens=40, block_size=4, eos_token_ids=[], cache=cache)
+    cache.check()
+    assert out.prompt_cached >= len(ids + got) - 1
+    assert out.tokens == plain_greedy(target.model, follow, 40)
+    with pytest.raises(DFlashError, match="another generation took over this cache"):
+        next(old)
+    cache.check()  # the old generator's exit did not touch the new owner's cache
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_next_turn_drafts_as_a_fresh_cache_does(pairs, window):
+    """Every max_tokens from 1 to 40: the drafter's context survives one-token cycles.
+
+    The next turn on the reused cache must propose, cycle by cycle, exactly the
+    drafts a fresh cache proposes for the same history. A cycle that dropped
+    pending features (the old one-token-cycle bug) drafts differently.
+    """
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode(PROMPTS[0])
+    opts = dict(block_size=4, eos_token_ids=[], window=window)
+    for max_tokens in range(1, 41):
+        cache = make_cache(target, drafter, window=window, block_size=4)
+        first = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, cache=cache, **opts)
+        cache.check()
+        follow = ids + first.tokens + tokenizer.encode(FOLLOW)
+        reused = list(stream_generate(target, drafter, tokenizer, follow, max_tokens=24, cache=cache, **opts))
+        cache.check()
+        fresh = list(stream_generate(target, drafter, tokenizer, follow, max_tokens=24, **opts))
+        assert reused[0].prompt_cached > 0
+        assert [r.drafted for r in reused] == [r.drafted for r in fresh], f"max_tokens={max_tokens}"
+        assert [t for r in reused for t in r.tokens] == [t for r in fresh for t in r.tokens]
+
+
+def test_interrupted_prefill_resumes(pairs):
+    """Ctrl-C during a long prefill: the chunks done stay committed, the next call starts there."""
+    target, drafter, tokenizer = pairs["llama"]
+    ids = tokenizer.encode(" ".join(PROMPTS * 3))
+    cache = make_cache(target, drafter, block_size=8)
+
+    def interrupt(done: int, total: int) -> None:
+        if done >= 30:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(target, drafter, tokenizer, ids, max_tokens=40, block_size=8, eos_token_ids=[], cache=cache,
+                 prefill_step_size=10, prompt_progress_callback=interrupt)
+    cache.check()
+    assert cache.tokens == ids[:30]
+    out = generate(target, drafter, tokenizer, ids, max_tokens=40, block_size=8, eos_token_ids=[], cache=cache,
+                   prefill_step_size=10)
+    cache.check()
+    assert out.prompt_cached == 30
+    assert out.tokens == plain_greedy(target.model, ids, 40)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_chat_survives_an_error_mid_reply(pairs, error):
+    """A reply that fails after a few cycles: the session's cache stays valid, the next turn is lossless."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    session = ChatSession(target, drafter, tokenizer, block_size=4, options=dict(max_tokens=40, eos_token_ids=[]))
+    session.reply("hello there")
+    session.cache.check()
+    seen = []
+
+    def fail(response) -> None:
+        seen.append(response)
+        if len(seen) == 3:
+            raise error("stop")
+
+    with pytest.raises(error):
+        session.reply("tell me more", on_response=fail)
+    session.cache.check()
+    assert len(session.messages) == (4 if error is KeyboardInterrupt else 2)
+    result = session.reply("and then?")
+    session.cache.check()
+    prompt = session.ids[: len(session.ids) - len(result.tokens)]
+    assert result.tokens == plain_greedy(target.model, prompt, 40)
+    if error is KeyboardInterrupt:  # the partial reply is in the history, so the caches were reused
+        assert result.prompt_cached > 0
+
+
+def test_repeated_target_layer_ids_generate_losslessly(tmp_path):
+    """The published id rule gives [1, 1] for a 2-layer drafter on a 4-layer target."""
+    config = fixtures.target_config("qwen3", num_hidden_layers=4)
+    fixtures.write_target(tmp_path / "t", config)
+    fixtures.write_drafter(tmp_path / "d", fixtures.drafter_config(config, 2, target_layer_ids=[1, 1]))
+    target, drafter, tokenizer = load(str(tmp_path / "d"), str(tmp_path / "t"))
+    ids = tokenizer.encode(PROMPTS[0])
+    cache = make_cache(target, drafter, block_size=8)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=60, block_size=8, eos_token_ids=[], cache=cache)
+    cache.check()
+    assert out.tokens == plain_greedy(target.model, ids, 60)
+
+
+def test_sharded_gated_delta_net_is_refused(hybrid):
+    target, drafter, tokenizer = hybrid
+    layer = next(layer for layer, kind in zip(target.body.layers, target.kinds) if kind == "linear")
+    layer.linear_attn.sharding_group = object()
+    try:
+        with pytest.raises(DFlashError, match="sharded GatedDeltaNet layers are not supported yet"):
+            generate(target, drafter, tokenizer, "hi", max_tokens=4)
+    finally:
+        layer.linear_attn.sharding_group = None
+
+
+def test_prefill_keeps_no_replay_buffers(hybrid):
+    """A prefill chunk cannot be rolled back, so its recurrent layers keep no replay (memory)."""
+    from dflash_mlx.caches import RecurrentCache
+
+    target, drafter, tokenizer = hybrid
+    cache = make_cache(target, drafter, block_size=4)
+    gen = stream_generate(target, drafter, tokenizer, PROMPTS[2], max_tokens=20, block_size=4, cache=cache)
+    next(gen)  # the prefill's token; the first cycle (a verify) is now in flight
+    recurrent = [c for c in cache.target if isinstance(c, RecurrentCache)]
+    assert recurrent and all(c.replay is not None and c.last_update == 4 for c in recurrent)
+    gen.close()
+    cache.check()
+    assert all(c.replay is None for c in recurrent)
+    prefill_only = make_cache(target, drafter, block_size=4)
+    generate(target, drafter, tokenizer, PROMPTS[0], max_tokens=1, block_size=4, cache=prefill_only)
+    prefill_only.check()
+    assert all(c.replay is None for c in prefill_only.target if isinstance(c, RecurrentCache))
