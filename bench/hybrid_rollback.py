@@ -101,8 +101,7 @@ def main() -> None:
     def restore(cache: list, snapshot: list) -> None:
         for c, s in zip(cache, snapshot):
             c.state = s
-            if not isinstance(c, RecurrentCache):
-                c.offset = len(ids)
+            c.offset = len(ids)
 
     model_cache = target.model.make_cache()
     target.model(mx.array([ids]), cache=model_cache)

@@ -3,8 +3,10 @@
 Each run is a fresh process that imports dflash_mlx from one checkout, loads the
 pair, warms up, then decodes every prompt with DFlash and with plain mlx-lm
 (plain decoding is the same code in both, so it shows machine drift). Runs
-alternate between the two checkouts, ``--repeats`` times each, and the figure is
-the ratio of median DFlash tok/s (after / before), next to the plain ratio.
+alternate between the two checkouts, ``--repeats`` times each. The figures: the
+ratio of median DFlash tok/s (after / before), next to the plain ratio, and the
+ratio of the paired speedups (DFlash / plain of the same prompt in the same run),
+which cancels drift between runs.
 Tokens must be identical across checkouts at temperature 0.
 
     git worktree add /tmp/before HEAD~3
@@ -39,7 +41,8 @@ out = []
 for p in prompts:
     r = generate(t, d, tok, p, max_tokens=max_tokens, eos_token_ids=[], block_size=block)
     _, plain_tps, _ = plain(t.model, tok.encode(p), max_tokens)
-    out.append({"dflash": r.generation_tps, "plain": plain_tps, "tau": r.tau, "tokens": r.tokens})
+    out.append({"dflash": r.generation_tps, "plain": plain_tps, "speedup": r.generation_tps / plain_tps,
+                "tau": r.tau, "tokens": r.tokens})
 print(json.dumps({"file": dflash_mlx.__file__, "runs": out}))
 """
 
@@ -48,7 +51,7 @@ def run(tree: Path, pair: Path, prompts: list[str], max_tokens: int, block: int)
     env = dict(os.environ, PYTHONPATH=str(tree))
     args = [sys.executable, "-c", CHILD, str(tree), str(pair / "draft"), str(pair / "target"), json.dumps(prompts),
             str(max_tokens), str(block)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(args, env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -85,9 +88,10 @@ def main() -> None:
           f"greedy, {args.repeats} alternating repeats per checkout")
     for name in ("before", "after"):
         print(f"  {name:>6}: dflash {median(name, 'dflash'):.1f} tok/s, plain {median(name, 'plain'):.1f} tok/s, "
-              f"tau {median(name, 'tau'):.2f}")
+              f"paired speedup {median(name, 'speedup'):.3f}, tau {median(name, 'tau'):.2f}")
     print(f"  dflash after/before {median('after', 'dflash') / median('before', 'dflash'):.3f}  "
           f"(plain, same code in both: {median('after', 'plain') / median('before', 'plain'):.3f}); "
+          f"paired speedup after/before {median('after', 'speedup') / median('before', 'speedup'):.3f}; "
           f"tokens {'identical' if same else 'DIFFER'}")
 
 

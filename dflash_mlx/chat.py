@@ -37,6 +37,9 @@ class ChatSession:
     last: Optional[GenerationResult] = None
 
     def __post_init__(self) -> None:
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise DFlashError("the target's tokenizer has no chat template, so it cannot chat; "
+                              "use `dflash-mlx generate --no-chat-template` for raw text")
         self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
         self.ids: Optional[list[int]] = None  # the conversation as the model saw and wrote it
 

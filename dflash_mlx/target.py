@@ -212,4 +212,5 @@ class Target:
     @staticmethod
     def rollback(cache: list[Any], n: int) -> None:
         """Forget the last ``n`` positions of every layer's cache (rejected draft tokens)."""
-        trim_to(cache, cache[0].offset - n)
+        for c in cache:
+            trim_to([c], c.offset - n)

@@ -203,7 +203,7 @@ def test_save_reset_load(spawn, tmp_path, tokenizer):
 # --- 3. Ctrl-C ----------------------------------------------------------------------------------
 
 
-def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path):
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path, tokenizer):
     """Ctrl-C mid-reply stops it (keeping the words), the next message is answered, two Ctrl-C leave.
 
     1000 tokens take several seconds here, so the interrupt, sent as soon as the reply
@@ -222,6 +222,9 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path):
     messages = json.loads((tmp_path / "after-ctrl-c.json").read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] * 2
     assert messages[1]["content"]  # the interrupted reply's words stay in the history
+    # The interrupted turn left valid caches: the next turn prefilled its own message, not the history.
+    new_turn = prompt_length(tokenizer, messages[:3]) - prompt_length(tokenizer, messages[:2], generation_prompt=False)
+    assert stats["prefilled"] <= new_turn + 3, (stats, new_turn)
 
     chat.child.sendintr()
     chat.child.expect_exact("Ctrl-C again or /quit to leave")
@@ -326,3 +329,20 @@ def test_error_names_the_path_as_typed(models_dir, tmp_path, name):
 def test_unknown_drafter_needs_target():
     line = _fails(["Unknown-Model-XYZ"])
     assert "unknown drafter" in line and "--target" in line
+
+
+def test_target_without_chat_template_is_refused_in_one_line(models_dir, tmp_path):
+    """A base model's tokenizer has no chat template: chat says so instead of a traceback."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    target = tmp_path / "base"
+    shutil.copytree(models_dir / "qwen3", target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(app, ["chat", str(models_dir / "qwen3-dflash"), "-t", str(target)], input="hello\n")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: the target's tokenizer has no chat template, so it cannot chat; "
+                                     "use `dflash-mlx generate --no-chat-template` for raw text")
