@@ -248,7 +248,8 @@ class DFlashCache:
     Invariant between cycles: every target layer holds exactly ``tokens``; the
     drafter's context caches hold the features of all of them but the last
     ``pending``, whose features wait in ``context`` for the next draft. Only the
-    methods below move that state, each keeping the invariant: ``commit`` (a
+    methods below move that state, each keeping the invariant: ``draft`` and
+    ``absorb_context`` (the drafter takes the pending features), ``commit`` (a
     verified cycle or a prefill chunk), ``abandon`` (whatever an unfinished cycle
     applied is undone) and ``reset``.
 
@@ -292,15 +293,21 @@ class DFlashCache:
     def holds_lease(self, lease: object) -> bool:
         return self._owner is lease
 
-    def take_context(self) -> Optional[mx.array]:
-        """The pending features, for a drafter pass that appends them to its context caches."""
-        context, self.context = self.context, None
-        return context
+    def draft(self, drafter: Any, target: Any, last: mx.array, n: int, sampling: Any, key: Optional[mx.array]) -> Any:
+        """The drafter's proposal of ``n`` tokens after ``last``; its pass absorbs the pending features.
+
+        The features are dropped only once the pass has taken them, so an interrupt
+        in between leaves state that ``abandon`` can still read.
+        """
+        proposal = drafter.propose(target, last, self.context, self.drafter, n, sampling, key)
+        self.context = None
+        return proposal
 
     def absorb_context(self, drafter: Any) -> None:
         """Append the pending features to the drafter's context caches without drafting (lazily)."""
         if self.context is not None:
-            drafter.add_context(self.take_context(), self.drafter)
+            drafter.add_context(self.context, self.drafter)
+            self.context = None
 
     def commit(self, kept: list[int], features: mx.array) -> None:
         """End a cycle: the target keeps its first ``len(kept)`` new positions and drops the rest.

@@ -96,8 +96,9 @@ class ChatSession:
                 block_size=self.block_size, window=self.window, sinks=self.sinks, cache=self.cache, **self.options,
             )
         except KeyboardInterrupt:
-            self.messages.append({"role": "assistant", "content": "".join(partial_text)})
-            self.ids = prompt + partial_tokens
+            self.ids = self._interrupted_history(prompt, partial_tokens)
+            reply = self.tokenizer.decode(self.ids[len(prompt) :]) if self.ids != prompt + partial_tokens else None
+            self.messages.append({"role": "assistant", "content": reply or "".join(partial_text)})
             raise
         except BaseException:
             self.messages.pop()
@@ -105,6 +106,18 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": self.last.text})
         self.ids = prompt + self.last.tokens
         return self.last
+
+    def _interrupted_history(self, prompt: list[int], received: list[int]) -> list[int]:
+        """The conversation's ids after Ctrl-C: what was shown, or what the caches committed if that is more.
+
+        A Ctrl-C that lands between a cycle's commit and its delivery leaves up to a
+        block of committed tokens that were never shown. They are the model's own
+        reply, so the conversation keeps them and the caches stay reusable.
+        """
+        shown, committed = prompt + received, self.cache.tokens
+        if len(committed) > len(shown) and committed[: len(shown)] == shown:
+            return list(committed)
+        return shown
 
     @property
     def context_tokens(self) -> int:

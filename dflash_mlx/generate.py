@@ -147,7 +147,7 @@ def _start_cycle(
     with mx.stream(generation_stream):
         proposal = None
         if n_draft:
-            proposal = drafter.propose(target, last, cache.take_context(), cache.drafter, n_draft, sampling, k_draft)
+            proposal = cache.draft(drafter, target, last, n_draft, sampling, k_draft)
             block = mx.concatenate([last, proposal.tokens])
         else:
             if cache.pending >= cache.block_size:  # decoding plainly: keep the drafter's context up to date

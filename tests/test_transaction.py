@@ -223,3 +223,68 @@ def test_prefill_keeps_no_replay_buffers(hybrid):
     generate(target, drafter, tokenizer, PROMPTS[0], max_tokens=1, block_size=4, cache=prefill_only)
     prefill_only.check()
     assert all(c.replay is None for c in prefill_only.target if isinstance(c, RecurrentCache))
+
+
+def _interrupt_after_commit(monkeypatch, at: int) -> None:
+    """Simulate a Ctrl-C landing after a cycle's commit (from cycle ``at`` on, one that accepted drafts),
+    before its tokens reach the caller."""
+    from dflash_mlx.policy import FixedBlock
+
+    calls = {"n": 0}
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        calls["n"] += 1
+        if calls["n"] >= at and accepted > 0:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FixedBlock, "observe", observe)
+
+
+def test_ctrl_c_between_commit_and_delivery(pairs, looping, monkeypatch):
+    """The committed cycle stays committed: cache.tokens runs past what was received, and goes on."""
+    target, drafter, tokenizer, ids, _, _ = looping
+    _interrupt_after_commit(monkeypatch, 3)
+    cache = make_cache(target, drafter, block_size=8)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=100, block_size=8, eos_token_ids=[],
+                                 cache=cache):
+            got.extend(r.tokens)
+    cache.check()
+    received = ids + got
+    assert len(cache.tokens) > len(received) and cache.tokens[: len(received)] == received
+    monkeypatch.undo()
+    follow = cache.tokens + tokenizer.encode(FOLLOW)
+    out = generate(target, drafter, tokenizer, follow, max_tokens=30, block_size=8, eos_token_ids=[], cache=cache)
+    cache.check()
+    assert out.prompt_cached == len(follow) - len(tokenizer.encode(FOLLOW))
+    assert out.tokens == plain_greedy(target.model, follow, 30)
+
+
+def test_chat_keeps_the_committed_reply_after_ctrl_c(tmp_path, monkeypatch):
+    """A drafter that drafts the chat reply's loop token, so the interrupted cycle had accepted drafts."""
+    import collections
+
+    config = fixtures.target_config("qwen3")
+    fixtures.write_target(tmp_path / "target", config, seed=0, init_scale=1.0)
+    fixtures.write_drafter(tmp_path / "random", fixtures.drafter_config(config))
+    target, drafter, tokenizer = load(str(tmp_path / "random"), str(tmp_path / "target"))
+    prompt = ChatSession(target, drafter, tokenizer)
+    prompt.messages.append({"role": "user", "content": "hello world"})
+    loop_token = collections.Counter(plain_greedy(target.model, prompt._prompt(), 200)).most_common(1)[0][0]
+    fixtures.write_constant_drafter(tmp_path / "constant", fixtures.drafter_config(config), tmp_path / "target", loop_token)
+    target, drafter, tokenizer = load(str(tmp_path / "constant"), str(tmp_path / "target"))
+
+    session = ChatSession(target, drafter, tokenizer, block_size=8, options=dict(max_tokens=200, eos_token_ids=[]))
+    _interrupt_after_commit(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        session.reply("hello world")
+    monkeypatch.undo()
+    session.cache.check()
+    assert session.ids == session.cache.tokens and session.messages[-1]["role"] == "assistant"
+    interrupted = list(session.ids)
+    result = session.reply("go on")
+    session.cache.check()
+    prompt_ids = session.ids[: len(session.ids) - len(result.tokens)]
+    assert prompt_ids[: len(interrupted)] == interrupted and result.prompt_cached == len(interrupted)
+    assert result.tokens == plain_greedy(target.model, prompt_ids, 200)
