@@ -1,10 +1,11 @@
 """Long contexts in bounded memory: a prompt-length sweep under a sliding window.
 
-For each prompt length, plain mlx-lm decoding and DFlash run on the same target with
-the same window semantics (the same WindowKVCache), side by side in one process,
-and the script prints prefill tok/s, decode tok/s, tau and peak memory for both.
-The targets: peak memory at 32k within 10% of 8k, and DFlash decode tok/s at 32k
-at least 0.9x its value at 8k.
+For each prompt length, plain mlx-lm decoding, DFlash with a fixed block and DFlash
+with the adaptive policy (the default) run on the same target with the same window
+semantics (the same WindowKVCache), side by side in one process, and the script
+prints prefill tok/s, decode tok/s, tau and peak memory. The targets: peak memory
+at 32k within 10% of 8k, fixed-block decode tok/s at 32k at least 0.9x its value at
+8k, and adaptive at least 0.97x plain decoding at every length.
 
     python bench/long_context.py [--window 8192] [--lengths 1024,4096,8192,16384,32768]
                                  [--hidden 512] [--layers 4] [--max-tokens 64] [--block-size 16]
@@ -19,6 +20,7 @@ import argparse  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 import dflash_mlx  # noqa: E402
+from dflash_mlx.bench import depths_text  # noqa: E402
 
 
 def main() -> None:
@@ -44,30 +46,35 @@ def main() -> None:
         tokens, decode, prefill = plain(target.model, ids, N, prompt_cache=target.make_cache(W, 0, slack=1))
         return {"prefill": prefill, "decode": decode, "peak": mx.get_peak_memory() / 2**30, "tokens": tokens}
 
-    def run_dflash(ids: list[int]) -> dict:
+    def run_dflash(ids: list[int], block: int | None) -> dict:
         mx.clear_cache()
-        r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=B, eos_token_ids=[], window=W)
+        r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=block, eos_token_ids=[], window=W)
         return {"prefill": r.prompt_tps, "decode": r.generation_tps, "peak": r.peak_memory * 1e9 / 2**30,
-                "tau": r.tau, "tokens": r.tokens}
+                "tau": r.tau, "tokens": r.tokens, "depths": r.depth_histogram}
 
     warm = prompt_ids(tokenizer, 256)
-    run_plain(warm), run_dflash(warm)
-    header = f"{'prompt':>7} | {'prefill tok/s':>21} | {'decode tok/s':>19} | {'ratio':>5} | {'tau':>4} | {'peak GiB':>13} | same"
-    print(header)
-    print(f"{'':>7} | {'plain':>10} {'dflash':>10} | {'plain':>9} {'dflash':>9} | {'':>5} | {'':>4} | {'plain':>6} {'dflash':>6} |")
+    run_plain(warm), run_dflash(warm, B), run_dflash(warm, None)
+    print(f"{'prompt':>7} | {'prefill tok/s':>14} | {'decode tok/s':>25} | {'ratio to plain':>14} | {'tau':>4} | "
+          f"{'peak GiB':>13} | same | adaptive depths")
+    print(f"{'':>7} | {'plain':>6} {'dflash':>7} | {'plain':>7} {f'block {B}':>8} {'adapt':>8} | {f'block {B}':>8} {'adapt':>5} | "
+          f"{'':>4} | {'plain':>6} {'dflash':>6} |")
     rows = {}
     for n in lengths:
         ids = prompt_ids(tokenizer, n)
-        p, d = run_plain(ids), run_dflash(ids)
-        rows[n] = (p, d)
-        print(f"{n:>7} | {p['prefill']:>10.0f} {d['prefill']:>10.0f} | {p['decode']:>9.1f} {d['decode']:>9.1f} | "
-              f"{d['decode'] / p['decode']:>5.2f} | {d['tau']:>4.2f} | {p['peak']:>6.2f} {d['peak']:>6.2f} | "
-              f"{'OK' if p['tokens'] == d['tokens'] else 'MISMATCH'}", flush=True)
+        p, d, a = run_plain(ids), run_dflash(ids, B), run_dflash(ids, None)
+        rows[n] = (p, d, a)
+        same = p["tokens"] == d["tokens"] == a["tokens"]
+        print(f"{n:>7} | {p['prefill']:>6.0f} {d['prefill']:>7.0f} | {p['decode']:>7.1f} {d['decode']:>8.1f} "
+              f"{a['decode']:>8.1f} | {d['decode'] / p['decode']:>8.2f} {a['decode'] / p['decode']:>5.2f} | "
+              f"{d['tau']:>4.2f} | {p['peak']:>6.2f} {d['peak']:>6.2f} | {'OK' if same else 'MISMATCH':>4} | "
+              f"{depths_text(a['depths'])}", flush=True)
     if 8192 in rows and 32768 in rows:
-        (_, d8), (_, d32) = rows[8192], rows[32768]
+        (_, d8, _), (_, d32, _) = rows[8192], rows[32768]
         mem, speed = d32["peak"] / d8["peak"], d32["decode"] / d8["decode"]
         print(f"\npeak memory 32k/8k: {mem:.3f} ({'PASS' if mem <= 1.10 else 'FAIL'}, target <= 1.10)")
         print(f"dflash decode 32k/8k: {speed:.3f} ({'PASS' if speed >= 0.90 else 'FAIL'}, target >= 0.90)")
+    worst = min(a["decode"] / p["decode"] for p, _, a in rows.values())
+    print(f"adaptive / plain, worst length: {worst:.3f} ({'PASS' if worst >= 0.97 else 'FAIL'}, target >= 0.97)")
 
 
 if __name__ == "__main__":

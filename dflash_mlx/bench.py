@@ -162,7 +162,7 @@ def _dflash(target: Any, drafter: Any, tokenizer: Any, ids: list[int], **kwargs:
     r = generate(target, drafter, tokenizer, ids, eos_token_ids=[], **kwargs)
     return {"tokens": r.tokens, "ttft_s": len(ids) / r.prompt_tps, "prefill_tps": r.prompt_tps,
             "decode_tps": r.generation_tps, "peak_memory_gb": r.peak_memory, "tau": r.tau,
-            "histogram": r.histogram, "cycles": r.cycles}
+            "histogram": r.histogram, "depth_histogram": r.depth_histogram, "cycles": r.cycles}
 
 
 def measure(
@@ -238,10 +238,15 @@ def _record(name: str, turn: int, ids: list[int], runs: list[dict[str, Any]], te
         "prompt": name, "turn": turn, "prompt_tokens": len(ids), "generated_tokens": len(dflash["tokens"]),
         "plain": plain, "dflash": dflash,
         "speedup": dflash["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0,
-        "tau": dflash["tau"], "acceptance_histogram": dflash["histogram"],
+        "tau": dflash["tau"], "acceptance_histogram": dflash["histogram"], "depth_histogram": dflash["depth_histogram"],
         "identical": identical, "longest_repeat": longest, "distinct_4gram_ratio": distinct,
         "flagged": flags,
     }
+
+
+def depths_text(histogram: list[int]) -> str:
+    """A depth histogram as 'depth:cycles' pairs, e.g. '0:95 3:12 15:2' (0: plain decoding steps)."""
+    return " ".join(f"{k}:{n}" for k, n in enumerate(histogram) if n)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def main(
 
 TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
 MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate (per reply).")
-BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft block size [default: the drafter's].")
+BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle [default: adaptive, up to the drafter's block].")
 WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
 SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
@@ -419,6 +419,9 @@ def bench(
                       f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}", f"{r['dflash']['peak_memory_gb']:.2f}",
                       "; ".join(r["flagged"]))
     out.print(table)
+    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step):")
+    for r in records:
+        out.print(f"  {r['prompt']}" + (f" t{r['turn']}" if r["turn"] else "") + f"  {b.depths_text(r['depth_histogram'])}")
     if summary["speedup"] is not None:
         s, t = summary["speedup"], summary["tau"]
         out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "
@@ -427,6 +430,7 @@ def bench(
         out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
     if json_out:
         report = {"model": model, "target": target, "window": window, "sinks": sinks, "block_size": block_size or drafter.block_size,
+                  "policy": "fixed" if block_size else "adaptive",
                   "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
                   "machine": machine_description(), "summary": summary, "records": records}
         write_atomic(json_out, json.dumps(report, indent=1))

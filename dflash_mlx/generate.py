@@ -25,7 +25,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from .caches import DFlashCache, check_window, make_cache
 from .drafter import Drafter
 from .errors import DFlashError
-from .policy import DraftPolicy, FixedBlock
+from .policy import DraftPolicy, FixedBlock, adaptive_policy
 from .sampling import Proposal, Sampling, verify
 from .target import Target
 
@@ -81,10 +81,12 @@ class GenerationResult:
     @property
     def histogram(self) -> list[int]:
         """``histogram[k]`` = number of cycles that accepted exactly k drafted tokens."""
-        hist = [0] * (max(self.acceptance, default=0) + 1)
-        for a in self.acceptance:
-            hist[a] += 1
-        return hist
+        return _counts(self.acceptance)
+
+    @property
+    def depth_histogram(self) -> list[int]:
+        """``depth_histogram[k]`` = number of cycles that drafted k tokens (0: a plain decoding step)."""
+        return _counts(self.drafted)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -101,7 +103,15 @@ class GenerationResult:
             "tau": self.tau,
             "acceptance_histogram": self.histogram,
             "acceptance_rate": self.acceptance_rate,
+            "depth_histogram": self.depth_histogram,
         }
+
+
+def _counts(values: list[int]) -> list[int]:
+    hist = [0] * (max(values, default=0) + 1)
+    for v in values:
+        hist[v] += 1
+    return hist
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -212,12 +222,25 @@ def _decode(
     """Prefill, then draft-verify-commit cycles; yield each verified cycle's tokens.
 
     The next cycle is started before the previous one's tokens are yielded, so the
-    caller's work overlaps the device's. However the caller leaves (a break,
-    ``close()``, an exception, Ctrl-C), the cycle in flight is abandoned and the
-    cache holds the committed history: the prompt and the emitted tokens, except
-    possibly the last one, which the target has not consumed yet.
+    caller's work overlaps the device's. A cycle that drafts nothing (a plain step)
+    keeps its one input token whatever the device answers, so it commits at once
+    and the cycle after it starts before it is read, as mlx-lm pipelines its plain
+    steps. However the caller leaves (a break, ``close()``, an exception, Ctrl-C),
+    the cycles in flight are abandoned and the cache holds the committed history:
+    the prompt and the emitted tokens, except possibly the last one, which the
+    target has not consumed yet.
     """
     key = None if sampling.greedy else sampling.key()
+
+    def start(last: mx.array, emitted: int) -> tuple[_InFlight, float]:
+        nonlocal key
+        depth = min(policy.draft_length(len(cache.tokens)), cache.block_size - 1, max_tokens - emitted - 1)
+        cycle_key = None
+        if key is not None:
+            key, cycle_key = mx.random.split(key)
+        started = time.perf_counter()
+        return _start_cycle(target, drafter, cache, sampling, last, max(0, depth), cycle_key), started
+
     try:
         if key is not None:
             key, first_key = mx.random.split(key)
@@ -227,23 +250,27 @@ def _decode(
         last_id = last.item()
         tokens, reason = _cut([last_id], eos, max_tokens)
         emitted, drafted, accepted = len(tokens), [], 0
+        ahead, read_at = None, time.perf_counter()
         while True:
             if reason is None:
-                n_draft = min(policy.draft_length(len(cache.tokens)), max_tokens - emitted - 1)
-                if key is not None:
-                    key, cycle_key = mx.random.split(key)
-                cycle = _start_cycle(target, drafter, cache, sampling, last, n_draft, None if key is None else cycle_key)
+                (cycle, started), ahead = ahead or start(last, emitted), None
+                if cycle.proposal is None and emitted + 1 < max_tokens:  # a plain step: commit, start the next
+                    cache.commit([last_id], cycle.features)
+                    ahead = start(cycle.target_tokens, emitted + 1)
             yield _Emitted(tokens, drafted, accepted, reason, cache.nbytes)  # the previous cycle's tokens
             if reason is not None:
                 return
             if not cache.holds_lease(lease):
                 raise DFlashError("another generation took over this cache; this one cannot go on")
             drafted, accepted, target_tokens = _read(cycle)
+            seconds = time.perf_counter() - max(started, read_at)  # as a user waits for it, overlap excluded
+            read_at = time.perf_counter()
             tokens, reason = _cut(drafted[:accepted] + [target_tokens[accepted]], eos, max_tokens - emitted)
             emitted += len(tokens)
             kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
-            cache.commit([last_id] + drafted[:kept], cycle.features[:, : kept + 1])
-            policy.observe(len(drafted), accepted)
+            if ahead is None:
+                cache.commit([last_id] + drafted[:kept], cycle.features[:, : kept + 1])
+            policy.observe(len(drafted), accepted, seconds)
             last, last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
     finally:
         if cache.holds_lease(lease):
@@ -279,6 +306,7 @@ def stream_generate(
     seed: Optional[int] = None,
     verify: str = "rejection",
     cache: Optional[DFlashCache] = None,
+    policy: Optional[DraftPolicy] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
@@ -294,6 +322,14 @@ def stream_generate(
     caches across calls: when its tokens begin the new prompt, only the rest is
     prefilled (``GenerationResponse.prompt_cached`` counts the reused tokens).
 
+    How many tokens to draft is decided each cycle: by default an adaptive policy
+    (``policy.AdaptiveDepth``) drafts up to ``block_size - 1`` tokens, as many as
+    pay on this machine at the current context and acceptance, none (plain
+    decoding) when speculation cannot pay. Passing ``block_size`` pins every
+    cycle to a full block; ``policy`` takes any ``DraftPolicy``. A ``seed`` at
+    temperature > 0 also drafts full blocks: the draw depends on the depths, and a
+    seeded run must give the same tokens every time.
+
     ``window`` bounds memory for long contexts: full-attention layers and the
     drafter's context keep ``sinks`` first positions plus the last ``window``.
     The prompt is prefilled ``prefill_step_size`` tokens at a time, reporting
@@ -303,6 +339,7 @@ def stream_generate(
     percent of a prompt that just fills the window.
     """
     sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
+    pinned = block_size is not None
     block_size = drafter.block_size if block_size is None else block_size
     if not isinstance(block_size, int) or block_size < 1:
         raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -323,11 +360,14 @@ def stream_generate(
             f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
             f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
         )
+    if policy is None:  # a seeded sampled run drafts full blocks: adaptive depths would change its draw
+        reproducible = seed is not None and not sampling.greedy
+        policy = FixedBlock(block_size) if pinned or reproducible else adaptive_policy(target, drafter, window, block_size)
     reused, lease = cache.begin(ids)
     detokenizer = tokenizer.detokenizer
     decoder = _decode(
         target, drafter, cache, lease, ids[reused:], max_tokens, eos, prefill_step_size,
-        prompt_progress_callback or (lambda done, total: None), sampling, FixedBlock(block_size),
+        prompt_progress_callback or (lambda done, total: None), sampling, policy,
     )
 
     mx.reset_peak_memory()

@@ -47,7 +47,7 @@ def arch_pairs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, None])  # None: the adaptive policy
 def test_lossless_with_random_drafter(arch_pairs, name, block_size):
     """Most blocks are rejected at once: many cycles, every rollback path from the first token."""
     target, drafter, tokenizer = arch_pairs[name, "random"]
@@ -59,7 +59,7 @@ def test_lossless_with_random_drafter(arch_pairs, name, block_size):
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, None])
 def test_lossless_with_accepted_drafts(arch_pairs, name, block_size):
     target, drafter, tokenizer = arch_pairs[name, "constant"]
     ids = tokenizer.encode(PROMPTS[1])

@@ -33,8 +33,12 @@ def test_json_is_complete_and_consistent(models_dir, tmp_path):
         assert r["tau"] == pytest.approx(sum((k + 1) * c for k, c in enumerate(hist)) / sum(hist))
         assert r["identical"] is True  # temperature 0: dflash text == plain greedy text
         assert set(r) >= {"longest_repeat", "distinct_4gram_ratio", "flagged"}
+        depths = r["depth_histogram"]  # the adaptive policy (no --block-size): cycles per drafted depth
+        assert sum(depths) == sum(hist) == r["dflash"]["cycles"]
+        assert f"  {r['prompt']}  " + " ".join(f"{k}:{n}" for k, n in enumerate(depths) if n) in result.stdout
     summary = report["summary"]
     assert summary["prompts"] == 3 and "acceptance_histogram" in summary
+    assert report["policy"] == "adaptive"
     assert "dflash vs plain decoding" in result.stdout
 
 

@@ -20,7 +20,7 @@ def references(pairs) -> dict:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
-@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, None])  # None: the adaptive policy
 def test_greedy_equals_plain(pairs, references, name, block_size):
     target, drafter, tokenizer = pairs[name]
     for p in PROMPTS:
@@ -46,7 +46,7 @@ def test_long_accepted_runs_stay_lossless(looping, block_size):
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 13, 31, 50])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, None])
 def test_max_tokens_cuts_mid_block(looping, max_tokens, block_size):
     target, drafter, tokenizer, ids, ref, _ = looping
     out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, eos_token_ids=[])
@@ -67,7 +67,7 @@ def _first_run_end(ref: list[int], token: int) -> int:
     raise AssertionError("no run in the reference output")
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, None])
 def test_eos_inside_accepted_run(looping, block_size):
     """The loop token as EOS: it sits inside every accepted run; stop at its first occurrence."""
     target, drafter, tokenizer, ids, ref, loop_token = looping

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError, fixtures, generate, load
 from dflash_mlx.cli import app
+from dflash_mlx.policy import AdaptiveDepth
 from dflash_mlx.sampling import Sampling, verify_match, verify_rejection
 
 SAMPLES = 1500
@@ -71,16 +72,24 @@ def _chi_square_same(a: list, b: list, alpha_z: float = 3.09) -> tuple[float, fl
     return stat, critical
 
 
-@pytest.mark.parametrize("drafter_name", ["random", "biased"])
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)], ids=["t1", "top_p0.9"])
-def test_output_distribution_equals_plain_sampling(peaked, drafter_name, settings):
+T1, TOP_P = dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)
+
+
+@pytest.mark.parametrize(
+    "drafter_name,settings,block_size",
+    [("random", T1, 4), ("biased", T1, 4), ("random", TOP_P, 4), ("biased", TOP_P, 4), ("biased", T1, None)],
+    ids=["t1-random", "t1-biased", "top_p0.9-random", "top_p0.9-biased", "t1-biased-adaptive"],
+)
+def test_output_distribution_equals_plain_sampling(peaked, drafter_name, settings, block_size):
     pairs, ids = peaked
     target, drafter, tokenizer = pairs[drafter_name]
     sampler = make_sampler(temp=settings["temperature"], top_p=settings.get("top_p", 0.0))
     plain = _plain_samples(target.model, ids, sampler, SAMPLES)
     ours, accepted = [], 0
     for i in range(SAMPLES):
-        out = generate(target, drafter, tokenizer, ids, max_tokens=GENERATED, block_size=4, eos_token_ids=[], seed=i, **settings)
+        policy = None if block_size else AdaptiveDepth(drafter.block_size - 1)  # seeded runs pin blocks otherwise
+        out = generate(target, drafter, tokenizer, ids, max_tokens=GENERATED, block_size=block_size, eos_token_ids=[],
+                       seed=i, policy=policy, **settings)
         ours.append(tuple(out.tokens))
         accepted += sum(out.acceptance)
     stat, critical = _chi_square_same(ours, plain)

@@ -17,7 +17,7 @@ def _windowed_reference(target, ids, window, sinks, max_tokens=MAX_TOKENS):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, None])  # None: the adaptive policy
 @pytest.mark.parametrize("window,sinks", [(32, 0), (64, 4)])
 def test_windowed_greedy_equals_windowed_plain(pairs, name, block_size, window, sinks):
     target, drafter, tokenizer = pairs[name]

@@ -1,0 +1,189 @@
+"""The draft-depth policy: synthetic costs and acceptances, then the engine under arbitrary depths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import PROMPTS
+from helpers import plain_greedy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_mlx import generate, make_cache
+from dflash_mlx.policy import Acceptance, AdaptiveDepth, CycleCosts
+
+
+class World:
+    """A synthetic machine and drafter: cycle cost t(k) = plain + [k>0] drafter + k per_token, and each
+    draft position accepted with probability ``alpha`` (given the ones before it were)."""
+
+    def __init__(self, plain: float, drafter: float, per_token: float, alpha: float, seed: int = 0):
+        self.plain, self.drafter, self.per_token, self.alpha = plain, drafter, per_token, alpha
+        self.rng = np.random.default_rng(seed)
+
+    def cycle(self, k: int) -> tuple[int, float]:
+        accepted = 0
+        while accepted < k and self.rng.random() < self.alpha:
+            accepted += 1
+        seconds = self.plain + (self.drafter if k else 0.0) + k * self.per_token
+        return accepted, seconds * self.rng.uniform(0.9, 1.1)
+
+    def best(self, depth: int) -> int:
+        rates = [(1 - self.alpha ** (k + 1)) / (1 - self.alpha) / (self.plain + (self.drafter if k else 0) + k * self.per_token)
+                 for k in range(depth + 1)]
+        return int(np.argmax(rates))
+
+
+def run(policy: AdaptiveDepth, world: World, cycles: int) -> list[int]:
+    chosen = []
+    for _ in range(cycles):
+        k = policy.draft_length(0)
+        accepted, seconds = world.cycle(k)
+        policy.observe(k, accepted, seconds)
+        chosen.append(k)
+    return chosen
+
+
+def test_plain_decoding_when_speculation_cannot_pay():
+    """A drafter the target never agrees with, on a CPU-like machine (a verify costs more per token)."""
+    policy = AdaptiveDepth(15)
+    chosen = run(policy, World(plain=0.05, drafter=0.02, per_token=0.01, alpha=0.02), 400)
+    tail = chosen[100:]
+    assert tail.count(0) / len(tail) > 0.95, chosen
+    probes = sum(k > 0 for k in tail)
+    assert 0 < probes and probes * policy.probe_interval(1) <= len(tail) + policy.probe_interval(1)  # ~1% of the time
+
+
+def test_long_drafts_when_acceptance_is_high():
+    """A good drafter on a GPU-like machine (a 16-token verify costs about one step)."""
+    world = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.92)
+    policy = AdaptiveDepth(15)
+    chosen = run(policy, world, 300)
+    assert world.best(15) >= 12
+    assert np.median(chosen[50:]) >= 12, chosen
+
+
+def test_intermediate_depth_matches_the_optimum():
+    """Moderate acceptance and a costly verify: the best depth is in between, and the policy finds it."""
+    world = World(plain=0.02, drafter=0.006, per_token=0.004, alpha=0.7)
+    policy = AdaptiveDepth(15)
+    chosen = run(policy, world, 400)
+    best = world.best(15)
+    assert 1 < best < 15
+    assert abs(np.median(chosen[100:]) - best) <= 2, (best, chosen[100:])
+
+
+def test_follows_a_change_of_acceptance_within_bounded_cycles():
+    policy = AdaptiveDepth(15)
+    good = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.92, seed=1)
+    bad = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.02, seed=2)
+    run(policy, good, 200)
+    after_drop = run(policy, bad, 200)
+    first_plain = next(i for i, k in enumerate(after_drop) if k == 0)
+    assert first_plain <= 30, after_drop[:40]
+    assert after_drop[100:].count(0) >= 90
+    interval = policy.probe_interval(1)
+    assert interval <= 40  # drafting is cheap here, so probes are frequent
+    after_recovery = run(policy, good, 300)
+    back = next(i for i, k in enumerate(after_recovery) if k >= 8)
+    assert back <= 2 * interval + 10, after_recovery[:100]  # a probe or two notice, then it stays
+    assert np.median(after_recovery[back + 20 :]) >= 12
+
+
+def test_acceptance_estimate_per_position():
+    acc = Acceptance(4, decay=1.0)
+    for accepted in (4, 4, 2, 0):
+        acc.update(4, accepted)
+    # Position 0 seen 4 times, accepted 3; position 2 seen 3 times (after 4, 4, 2), accepted twice.
+    np.testing.assert_allclose(acc.trials, [4, 3, 3, 2])
+    np.testing.assert_allclose(acc.hits, [3, 3, 2, 2])
+    rates = acc.rates()
+    pooled = (10 + 1) / (12 + 2)
+    np.testing.assert_allclose(rates[0], (3 + 2 * pooled) / (4 + 2))
+    e = acc.expected_tokens()
+    assert e[0] == 1 and np.isclose(e[1], 1 + rates[0]) and np.isclose(e[4], 1 + np.cumprod(rates).sum())
+
+
+def test_cost_fit_recovers_the_machine():
+    costs = CycleCosts(15)
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        k = [15, 0, 7, 3, 0, 12][i % 6]
+        costs.update(k, 0.03 + (0.01 if k else 0) + 0.002 * k + rng.normal(0, 1e-5))
+    np.testing.assert_allclose(costs.theta, [0.03, 0.01, 0.002], rtol=0.05, atol=2e-4)
+
+
+class Scripted:
+    """A policy that drafts a given sequence of depths (cycling), as hypothesis draws them."""
+
+    def __init__(self, depths: list[int]):
+        self.depths, self.i = depths, 0
+
+    def draft_length(self, context_tokens: int) -> int:
+        self.i += 1
+        return self.depths[(self.i - 1) % len(self.depths)]
+
+    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("window", [None, 32])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depths=st.lists(st.integers(0, 20), min_size=1, max_size=12), max_tokens=st.integers(1, 90))
+def test_any_depth_sequence_is_lossless(pairs, looping, window, depths, max_tokens):
+    """Whatever the policy drafts each cycle (0 included, beyond the block capped), output = plain greedy,
+    and a second turn on the same cache is exact too."""
+    for target, drafter, tokenizer, ids in (
+        (*pairs["qwen3"], pairs["qwen3"][2].encode(PROMPTS[0])),
+        looping[:3] + (looping[3],),
+    ):
+        ref_cache = (lambda: target.make_cache(window, 0, 1)) if window else (lambda: None)
+        cache = make_cache(target, drafter, window=window, block_size=8)
+        out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=8, eos_token_ids=[],
+                       window=window, cache=cache, policy=Scripted(depths))
+        cache.check()
+        assert out.tokens == plain_greedy(target.model, ids, max_tokens, prompt_cache=ref_cache())
+        assert set(out.drafted) <= {min(d, 7) for d in depths} | set(range(8))
+        follow = ids + out.tokens + tokenizer.encode(" and")
+        out2 = generate(target, drafter, tokenizer, follow, max_tokens=20, block_size=8, eos_token_ids=[],
+                        window=window, cache=cache, policy=Scripted(depths[::-1]))
+        cache.check()
+        assert out2.tokens == plain_greedy(target.model, follow, 20, prompt_cache=ref_cache())
+
+
+def test_adaptive_is_the_default_and_reports_its_depths(looping):
+    """No block_size: the adaptive policy picks depths; generate's JSON carries the histogram."""
+    target, drafter, tokenizer, ids, ref, _ = looping
+    out = generate(target, drafter, tokenizer, ids, max_tokens=150, eos_token_ids=[])
+    assert out.tokens == ref[:150]
+    hist = out.to_dict()["depth_histogram"]
+    assert sum(hist) == out.cycles and hist == out.depth_histogram
+    assert len([k for k, n in enumerate(hist) if n]) >= 2  # not one fixed depth
+    pinned = generate(target, drafter, tokenizer, ids, max_tokens=150, eos_token_ids=[], block_size=8)
+    emitted = 1 + np.cumsum([0] + [a + 1 for a in pinned.acceptance[:-1]])
+    assert pinned.drafted == [min(7, 150 - e - 1) for e in emitted]  # a full block unless the budget ends
+
+
+def test_seeded_sampling_drafts_full_blocks_and_reproduces(pairs):
+    """The draw depends on the depths, so a seeded sampled run does not adapt: same seed, same tokens."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    runs = [generate(target, drafter, tokenizer, PROMPTS[1], max_tokens=60, eos_token_ids=[], temperature=0.9, seed=3)
+            for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    emitted = 1 + np.cumsum([0] + [a + 1 for a in runs[0].acceptance[:-1]])
+    assert runs[0].drafted == [min(drafter.block_size - 1, 60 - e - 1) for e in emitted]
+
+
+def test_generate_json_reports_depths(models_dir):
+    import json
+
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    args = ["generate", str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "-p", PROMPTS[0],
+            "--no-chat-template", "-m", "40", "--json"]
+    adaptive = json.loads(CliRunner().invoke(app, args).stdout)
+    assert sum(adaptive["depth_histogram"]) == adaptive["cycles"]
+    pinned = json.loads(CliRunner().invoke(app, args + ["-b", "4"]).stdout)
+    assert pinned["depth_histogram"][3] >= pinned["cycles"] - 3 and sum(pinned["depth_histogram"]) == pinned["cycles"]
