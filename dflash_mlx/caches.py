@@ -263,9 +263,11 @@ class DFlashCache:
     sinks: int
     block_size: int
     tokens: list[int] = field(default_factory=list)  # the committed history, in order
-    context: Optional[mx.array] = None  # [1, pending, F] target features the drafter has not seen
     fresh: Callable[[], tuple[list[Any], list[Any]]] = field(default=lambda: ([], []), repr=False)
     _owner: object = field(default=None, repr=False)
+    # Features the drafter has not seen, one array per commit: joined once, when the drafter takes them
+    # (joining at every commit would copy the growing pending block again and again).
+    _parts: list[mx.array] = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -273,7 +275,18 @@ class DFlashCache:
 
     @property
     def pending(self) -> int:
-        return 0 if self.context is None else self.context.shape[1]
+        return sum(part.shape[1] for part in self._parts)
+
+    @property
+    def context(self) -> Optional[mx.array]:
+        """[1, pending, F] target features of the last ``pending`` tokens, which the drafter has not seen."""
+        if len(self._parts) > 1:
+            self._parts = [mx.concatenate(self._parts, axis=1)]
+        return self._parts[0] if self._parts else None
+
+    @context.setter
+    def context(self, value: Optional[mx.array]) -> None:
+        self._parts = [] if value is None else [value]
 
     def begin(self, ids: list[int]) -> tuple[int, object]:
         """Hand the cache to a new generation over ``ids``: (how many leading ids it holds, the lease).
@@ -319,7 +332,7 @@ class DFlashCache:
         trim_to(self.target, len(self.tokens) + len(kept))
         self.tokens.extend(kept)
         if self.drafter:
-            self.context = features if self.context is None else mx.concatenate([self.context, features], axis=1)
+            self._parts.append(features)
 
     def abandon(self) -> None:
         """Undo what an unfinished cycle applied: the caches hold ``tokens`` again.

@@ -160,9 +160,9 @@ def _start_cycle(
             proposal = cache.draft(drafter, target, last, n_draft, sampling, k_draft)
             block = mx.concatenate([last, proposal.tokens])
         else:
-            if cache.pending >= cache.block_size:  # decoding plainly: keep the drafter's context up to date
-                cache.absorb_context(drafter)
             block = last
+        if proposal is None and cache.pending >= cache.block_size:  # decoding plainly: the drafter's
+            cache.absorb_context(drafter)  # context keeps up a block at a time (evaluated with the next draft)
         logits, features = target(block[None], cache.target)
         accept, target_tokens = verify(sampling, proposal, logits[0], k_verify)
     mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None])
@@ -232,14 +232,16 @@ def _decode(
     """
     key = None if sampling.greedy else sampling.key()
 
-    def start(last: mx.array, emitted: int) -> tuple[_InFlight, float]:
+    def depth(emitted: int) -> int:
+        return max(0, min(policy.draft_length(len(cache.tokens)), cache.block_size - 1, max_tokens - emitted - 1))
+
+    def start(last: mx.array, n_draft: int) -> tuple[_InFlight, float]:
         nonlocal key
-        depth = min(policy.draft_length(len(cache.tokens)), cache.block_size - 1, max_tokens - emitted - 1)
         cycle_key = None
         if key is not None:
             key, cycle_key = mx.random.split(key)
         started = time.perf_counter()
-        return _start_cycle(target, drafter, cache, sampling, last, max(0, depth), cycle_key), started
+        return _start_cycle(target, drafter, cache, sampling, last, n_draft, cycle_key), started
 
     try:
         if key is not None:
@@ -250,13 +252,16 @@ def _decode(
         last_id = last.item()
         tokens, reason = _cut([last_id], eos, max_tokens)
         emitted, drafted, accepted = len(tokens), [], 0
-        ahead, read_at = None, time.perf_counter()
+        ahead, planned, read_at = None, None, time.perf_counter()
         while True:
             if reason is None:
-                (cycle, started), ahead = ahead or start(last, emitted), None
-                if cycle.proposal is None and emitted + 1 < max_tokens:  # a plain step: commit, start the next
+                (cycle, started), ahead = ahead or start(last, depth(emitted) if planned is None else planned), None
+                planned, committed = None, cycle.proposal is None and emitted + 1 < max_tokens
+                if committed:  # a plain step: commit it now; when the next is plain too, start it now
                     cache.commit([last_id], cycle.features)
-                    ahead = start(cycle.target_tokens, emitted + 1)
+                    planned = depth(emitted + 1)
+                    if planned == 0:
+                        ahead, planned = start(cycle.target_tokens, 0), None
             yield _Emitted(tokens, drafted, accepted, reason, cache.nbytes)  # the previous cycle's tokens
             if reason is not None:
                 return
@@ -268,7 +273,7 @@ def _decode(
             tokens, reason = _cut(drafted[:accepted] + [target_tokens[accepted]], eos, max_tokens - emitted)
             emitted += len(tokens)
             kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
-            if ahead is None:
+            if not committed:
                 cache.commit([last_id] + drafted[:kept], cycle.features[:, : kept + 1])
             policy.observe(len(drafted), accepted, seconds)
             last, last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
