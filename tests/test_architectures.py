@@ -66,7 +66,8 @@ def test_lossless_with_accepted_drafts(arch_pairs, name, block_size):
     ref = plain_greedy(target.model, ids, MAX_TOKENS)
     out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[])
     assert out.tokens == ref
-    assert max(out.acceptance) >= 1  # some blocks were partly accepted, so rollbacks kept a prefix
+    if block_size is not None:  # the adaptive policy may find plain decoding faster on this machine
+        assert max(out.acceptance) >= 1  # some blocks were partly accepted, so rollbacks kept a prefix
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
