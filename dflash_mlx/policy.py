@@ -126,8 +126,7 @@ class CycleCosts:
         return self.theta is not None
 
     def predict(self, k: int) -> float:
-        assert self.theta is not None
-        return max(float(self.features(k) @ self.theta), 1e-9)
+        return float(self.predict_all()[k])
 
     def predict_all(self) -> np.ndarray:
         """Predicted seconds of a cycle drafting k, for k = 0..max_depth."""
