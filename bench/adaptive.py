@@ -5,7 +5,7 @@ with the adaptive policy (the default), in alternating order over the repeats; t
 figures are medians of decode tok/s. The adaptive policy keeps what it measured
 from one prompt to the next, as it does for a user who keeps the model loaded.
 
-    python bench/adaptive.py random [--reference-blas]   # random pair, tau ~ 1: adaptive vs plain
+    python bench/adaptive.py random [--reference-blas --blocks '']   # random pair, tau ~ 1: adaptive vs plain
     python bench/adaptive.py pair [--pair DIR]           # trained pair: vs plain and blocks 4, 8, 16
 """
 
@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--blocks", default=None,
+                        help="fixed blocks to compare, e.g. 4,8,16; '' for none [default: 16 random, 4,8,16 pair]")
     args = parser.parse_args()
     print_machine()
     builtin = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
@@ -94,7 +96,7 @@ def main() -> None:
         target, drafter, tokenizer = dflash_mlx.load(str(folder / "draft"), str(folder / "target"))
         prompts = encoded(tokenizer, [p for name in ("math", "code", "chat") for p in builtin[name]][: args.prompts])
         sets = {"random pair": prompts}
-        blocks = [16]
+        blocks = [16]  # (under the reference BLAS a block of 16 costs ~16 steps: --blocks '' skips it)
     else:
         pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
         if pair is None:
@@ -104,6 +106,8 @@ def main() -> None:
         sets = {f"{pair.name} held-out code": encoded(tokenizer, held[: args.prompts]),
                 f"{pair.name} built-in chat": encoded(tokenizer, builtin["chat"][: args.prompts])}
         blocks = [4, 8, 16]
+    if args.blocks is not None:
+        blocks = [int(b) for b in args.blocks.split(",") if b]
     warm = next(iter(sets.values()))[0]
     for block in blocks + [None]:  # warm-up; the adaptive policy also measures its first cycles here
         dflash_mlx.generate(target, drafter, tokenizer, warm, max_tokens=32, block_size=block, eos_token_ids=[])

@@ -161,11 +161,13 @@ def _start_cycle(
             block = mx.concatenate([last, proposal.tokens])
         else:
             block = last
-        if proposal is None and cache.pending >= cache.block_size:  # decoding plainly: the drafter's
-            cache.absorb_context(drafter)  # context keeps up a block at a time (evaluated with the next draft)
+        absorbed = []
+        if proposal is None and cache.pending >= cache.block_size:  # decoding plainly: the drafter's context
+            cache.absorb_context(drafter)  # keeps up a block at a time, computed now, so the next probe
+            absorbed = [c.state for c in cache.drafter]  # does not pay for the whole plain run
         logits, features = target(block[None], cache.target)
         accept, target_tokens = verify(sampling, proposal, logits[0], k_verify)
-    mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None])
+    mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed)
     return _InFlight(proposal, accept, target_tokens, features)
 
 
@@ -243,6 +245,7 @@ def _decode(
         started = time.perf_counter()
         return _start_cycle(target, drafter, cache, sampling, last, n_draft, cycle_key), started
 
+    policy.start()
     try:
         if key is not None:
             key, first_key = mx.random.split(key)

@@ -21,6 +21,10 @@ import numpy as np
 
 
 class DraftPolicy(Protocol):
+    def start(self) -> None:
+        """A generation begins: a new prompt, whose acceptance may differ from the last one's."""
+        ...
+
     def draft_length(self, context_tokens: int) -> int:
         """Tokens to draft in the next cycle, given how many the caches hold (the loop caps it)."""
         ...
@@ -35,6 +39,9 @@ class FixedBlock:
     """Always fill the block: ``block_size - 1`` drafted tokens after the last verified one."""
 
     block_size: int
+
+    def start(self) -> None:
+        pass
 
     def draft_length(self, context_tokens: int) -> int:
         return self.block_size - 1
@@ -58,81 +65,127 @@ class Acceptance:
     prior: float = 2.0
     hits: np.ndarray = field(init=False)
     trials: np.ndarray = field(init=False)
+    _expected: Optional[list[float]] = field(default=None, init=False, repr=False)
+    _fading: float = field(default=1.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.hits = np.zeros(self.depth)
         self.trials = np.zeros(self.depth)
 
+    def fade(self, factor: float) -> None:
+        """Weigh what was seen so far by ``factor`` from the next update on, so that it counts for more.
+
+        Applied lazily: a plain step calls this and must stay cheap.
+        """
+        self._fading *= factor
+
     def update(self, drafted: int, accepted: int) -> None:
-        self.hits *= self.decay
-        self.trials *= self.decay
+        self.hits *= self.decay * self._fading
+        self.trials *= self.decay * self._fading
+        self._fading = 1.0
         seen = min(accepted + 1, drafted)
         self.trials[:seen] += 1
         self.hits[:accepted] += 1
+        self._expected = None
 
     def rates(self) -> np.ndarray:
         pooled = (self.hits.sum() + 1) / (self.trials.sum() + 2)
         return (self.hits + self.prior * pooled) / (self.trials + self.prior)
 
-    def expected_tokens(self) -> np.ndarray:
-        """E[tokens of a cycle drafting k], k = 0..K: the target's own token plus the accepted run."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates()))])
+    def expected_tokens(self) -> list[float]:
+        """E[tokens of a cycle drafting k], k = 0..K: the target's own token plus the accepted run.
+
+        Kept between updates: a plain step asks for it without changing it.
+        """
+        if self._expected is None:
+            self._expected = [1.0] + (1.0 + np.cumsum(np.cumprod(self.rates()))).tolist()
+        return self._expected
 
 
 @dataclass
 class CycleCosts:
-    """Seconds of a cycle drafting k tokens: t(k) = plain + [k > 0] * drafter + k * per_token.
+    """Seconds of a cycle drafting k tokens: t(k) = plain + [k > 0] * (drafter + k * per_token).
 
-    Fitted from measured cycles by least squares with exponential forgetting
-    (``decay`` per cycle), so the fit follows the context as it grows. A small
-    pull towards the previous fit keeps directions that recent cycles do not
-    measure (say, long drafts while decoding plainly) where they were.
+    ``plain`` is a decaying mean of the plain steps. The drafting overhead
+    (``drafter``, ``per_token``) is fitted by least squares with exponential
+    forgetting (``decay`` per cycle) to what drafting cycles took beyond the plain
+    estimate. Plain and drafting cycles thus never move each other's parameters:
+    a run of drafting cycles cannot make plain decoding look dear, nor a run of
+    plain steps make drafting look cheap. A small pull towards the previous fit
+    keeps the direction that one repeated depth does not measure where it was.
+    Both follow the context as it grows. This runs every cycle, the plain step of
+    a small model included, so it is arithmetic on floats rather than array calls.
     """
 
     max_depth: int = 15
     decay: float = 0.95
     pull: float = 0.05
-    theta: Optional[np.ndarray] = None  # (plain, drafter, per_token)
-    gram: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    moment: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    plain: Optional[float] = None
+    extra: Optional[tuple[float, float]] = None  # (drafter, per_token)
+    _plain_weight: float = 0.0
+    _gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # sum w, sum w k, sum w k^2
+    _moment: tuple[float, float] = (0.0, 0.0)  # sum w y, sum w k y
+    _early: list[tuple[int, float]] = field(default_factory=list)  # drafting cycles seen before any plain one
     depths_seen: set[int] = field(default_factory=set)
 
-    @staticmethod
-    def features(k: int) -> np.ndarray:
-        return np.array([1.0, float(k > 0), float(k)])
-
     def update(self, k: int, seconds: float) -> None:
-        if self.theta is not None:  # a stall (the caller busy, the machine swapping) is not the model's cost
+        if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
             seconds = min(seconds, 4 * self.predict(k))
-        x = self.features(k)
-        self.gram = self.decay * self.gram + np.outer(x, x)
-        self.moment = self.decay * self.moment + seconds * x
         self.depths_seen.add(k)
-        if not self.missing():
-            previous = np.linalg.lstsq(self.gram, self.moment, rcond=None)[0] if self.theta is None else self.theta
-            a = self.gram + self.pull * np.eye(3)
-            self.theta = np.maximum(np.linalg.solve(a, self.moment + self.pull * previous), 0.0)
+        if k == 0:
+            self._plain_weight = self.decay * self._plain_weight + 1
+            self.plain = seconds if self.plain is None else self.plain + (seconds - self.plain) / self._plain_weight
+            early, self._early = self._early, []
+            for depth, took in early:
+                self._fit(depth, took - self.plain)
+        elif self.plain is None:
+            self._early.append((k, seconds))
+        else:
+            self._fit(k, seconds - self.plain)
+
+    def _fit(self, k: int, y: float) -> None:
+        d = self.decay
+        g0, g1, g2 = self._gram
+        self._gram = (d * g0 + 1, d * g1 + k, d * g2 + k * k)
+        self._moment = (d * self._moment[0] + y, d * self._moment[1] + k * y)
+        if len({j for j in self.depths_seen if j > 0}) < min(2, self.max_depth):
+            return
+        previous = self.extra or (0.0, 0.0)
+        pull = self.pull if self.extra is not None else 1e-9
+        a, b, c = self._gram[0] + pull, self._gram[1], self._gram[2] + pull
+        m0, m1 = self._moment[0] + pull * previous[0], self._moment[1] + pull * previous[1]
+        det = a * c - b * b
+        drafter, per_token = (c * m0 - b * m1) / det, (a * m1 - b * m0) / det
+        if per_token < 0:  # the best fit with the negative parameter held at zero, not a clipped one
+            drafter, per_token = max(m0 / a, 0.0), 0.0
+        elif drafter < 0:
+            drafter, per_token = 0.0, max(m1 / c, 0.0)
+        self.extra = (drafter, per_token)
 
     def missing(self) -> list[int]:
-        """Depths to measure before the three parameters are determined: plain and two drafting depths."""
-        drafting = {k for k in self.depths_seen if k > 0}
-        if 0 in self.depths_seen and len(drafting) >= min(2, self.max_depth):
+        """Depths to measure before the model is determined: plain and two drafting depths."""
+        if self.ready:
             return []
-        wanted = [self.max_depth, 0, max(1, self.max_depth // 2), 1]
+        wanted = [0, self.max_depth, 1]  # the widest lever for the per-token slope
         return [k for k in wanted if k not in self.depths_seen]
 
     @property
     def ready(self) -> bool:
-        return self.theta is not None
+        return self.plain is not None and self.extra is not None
+
+    @property
+    def theta(self) -> Optional[list[float]]:
+        """(plain, drafter, per_token) seconds, once measured."""
+        return [self.plain, *self.extra] if self.ready else None
 
     def predict(self, k: int) -> float:
-        return float(self.predict_all()[k])
+        """Predicted seconds of a cycle drafting k."""
+        assert self.plain is not None and self.extra is not None
+        return max(self.plain + (self.extra[0] + self.extra[1] * k if k else 0.0), 1e-9)
 
-    def predict_all(self) -> np.ndarray:
+    def predict_all(self) -> list[float]:
         """Predicted seconds of a cycle drafting k, for k = 0..max_depth."""
-        assert self.theta is not None
-        k = np.arange(self.max_depth + 1)
-        return np.maximum(self.theta[0] + self.theta[1] * (k > 0) + self.theta[2] * k, 1e-9)
+        return [self.predict(k) for k in range(self.max_depth + 1)]
 
 
 @dataclass
@@ -140,59 +193,89 @@ class AdaptiveDepth:
     """Draft the k in 0..``max_depth`` that maximises E[tokens(k)] / t(k), probing now and then.
 
     Until the cost model has seen plain, one-draft and longer cycles it runs a short
-    warm-up (a full block, a plain step, half a block). While plain decoding wins
+    warm-up (a plain step, a full block, one token). While plain decoding wins
     it drafts again now and then, so that a drafter whose acceptance recovers is
-    noticed: at the best drafting depth, spaced so that probes cost at most
-    ``probe_budget`` of the decoding time (at least ``min_probe`` cycles apart, at
-    most ``max_probe``). Where drafting is cheap that is every few tens of cycles;
-    where it is dear (a CPU), every few hundred.
+    noticed: at the best drafting depth, spaced so that probes lose at most
+    ``probe_budget`` of the decoding time against plain steps (at least
+    ``min_probe`` cycles apart, at most ``max_probe``). Where drafting is cheap or
+    nearly pays that is every few tens of cycles; where it is dear (a CPU), every
+    few hundred. A new generation (a new prompt) probes at once: that is where
+    acceptance changes most. A probe accepted whole is followed by one twice as
+    deep. The acceptance seen before a run of plain steps fades by ``stale`` per
+    step, so a probe after a long run weighs more.
     """
 
     max_depth: int
     probe_budget: float = 0.01
     min_probe: int = 8
     max_probe: int = 1024
+    stale: float = 0.995
     acceptance: Acceptance = field(init=False)
     costs: CycleCosts = field(init=False)
     _plain_run: int = 0
+    _new_prompt: bool = False
+    _follow_up: int = 0
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.max_depth)
         self.costs = CycleCosts(self.max_depth)
 
-    def _rates(self) -> np.ndarray:
+    def _rates(self) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
-        return self.acceptance.expected_tokens() / self.costs.predict_all()
+        return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.costs.predict_all())]
+
+    @staticmethod
+    def _argmax(values: list[float]) -> int:
+        return max(range(len(values)), key=values.__getitem__)
 
     def best(self) -> int:
         """The depth with the most expected tokens per second under the current estimates."""
-        return int(np.argmax(self._rates())) if self.costs.ready else self.max_depth
+        return self._argmax(self._rates()) if self.costs.ready else self.max_depth
 
     def probe_interval(self, depth: int) -> int:
-        """Plain cycles between probes at ``depth``: a probe's extra cost over ``probe_budget`` of a plain step."""
-        extra = self.costs.predict(depth) - self.costs.predict(0)
-        cycles = extra / (self.probe_budget * self.costs.predict(0))
-        return int(min(max(cycles, self.min_probe), self.max_probe))
+        """Plain cycles between probes at ``depth``, so that probing loses ``probe_budget`` of the time.
+
+        A probe loses what it takes beyond the plain steps that would have made its
+        expected tokens. Where drafting is nearly as good as plain decoding that is
+        little, and probes come often: the decision is close and worth checking.
+        """
+        plain = self.costs.predict(0)
+        loss = self.costs.predict(depth) - self.acceptance.expected_tokens()[depth] * plain
+        return int(min(max(loss / (self.probe_budget * plain), self.min_probe), self.max_probe))
 
     def draft_length(self, context_tokens: int) -> int:
         if self.max_depth == 0:
             return 0
-        if not self.costs.ready:  # warm-up: a full block, a plain step, half a block
+        if not self.costs.ready:  # warm-up: a plain step, a full block, one token
             return self.costs.missing()[0]
-        k = self.best()
+        rates = self._rates()
+        k = self._argmax(rates)
         if k > 0:
             self._plain_run = 0
             return k
         self._plain_run += 1
-        probe = 1 + int(np.argmax(self._rates()[1:]))
+        if self._follow_up:  # the last probe was accepted whole: look further at once
+            return self._follow_up
+        probe = 1 + self._argmax(rates[1:])
+        if self._new_prompt:  # off the schedule: a short generation must still reach its scheduled probe
+            self._new_prompt = False
+            return probe
         if self._plain_run >= self.probe_interval(probe):
             self._plain_run = 0
             return probe
         return 0
 
+    def start(self) -> None:
+        self._new_prompt = True
+
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        probing = drafted > 0 and self.costs.ready and self.best() == 0
+        self._follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
         if drafted:
+            self._new_prompt = False
             self.acceptance.update(drafted, accepted)
+        else:
+            self.acceptance.fade(self.stale)
         self.costs.update(drafted, seconds)
 
 

@@ -119,6 +119,9 @@ class Scripted:
     def __init__(self, depths: list[int]):
         self.depths, self.i = depths, 0
 
+    def start(self) -> None:
+        pass
+
     def draft_length(self, context_tokens: int) -> int:
         self.i += 1
         return self.depths[(self.i - 1) % len(self.depths)]
@@ -187,3 +190,24 @@ def test_generate_json_reports_depths(models_dir):
     assert sum(adaptive["depth_histogram"]) == adaptive["cycles"]
     pinned = json.loads(CliRunner().invoke(app, args + ["-b", "4"]).stdout)
     assert pinned["depth_histogram"][3] >= pinned["cycles"] - 3 and sum(pinned["depth_histogram"]) == pinned["cycles"]
+
+
+def test_a_new_prompt_probes_at_once_and_a_whole_accept_looks_further():
+    """A server-like process: a prompt the drafter cannot follow, then one it follows well. The policy
+    probes at the new prompt's first cycle and, while probes are accepted whole, probes twice as deep
+    next, so long drafts return within a few cycles instead of after the next scheduled probes."""
+    world = dict(plain=0.05, drafter=0.02, per_token=0.01)  # CPU-like: probes are dear, so they are rare
+
+    def cycles_to_long_drafts(seed: int, new_prompt: bool) -> int:
+        policy = AdaptiveDepth(15)
+        run(policy, World(**world, alpha=0.02, seed=seed), 300)
+        assert policy.probe_interval(1) > 40 and policy.draft_length(0) == 0
+        if new_prompt:
+            policy.start()
+        chosen = run(policy, World(**world, alpha=0.97, seed=100 + seed), 120)
+        assert chosen[0] > 0 or not new_prompt
+        return next((i for i, k in enumerate(chosen) if k >= 8), len(chosen))
+
+    told = [cycles_to_long_drafts(seed, True) for seed in range(8)]
+    untold = [cycles_to_long_drafts(seed, False) for seed in range(8)]
+    assert np.median(told) <= 12 and np.median(untold) >= 3 * np.median(told), (told, untold)
