@@ -166,7 +166,7 @@ class CycleCosts:
         """Depths to measure before the model is determined: plain and two drafting depths."""
         if self.ready:
             return []
-        wanted = [0, self.max_depth, 1]  # the widest lever for the per-token slope
+        wanted = [self.max_depth, 0, 1]  # a full block first: a short first generation still drafts
         return [k for k in wanted if k not in self.depths_seen]
 
     @property
@@ -193,7 +193,7 @@ class AdaptiveDepth:
     """Draft the k in 0..``max_depth`` that maximises E[tokens(k)] / t(k), probing now and then.
 
     Until the cost model has seen plain, one-draft and longer cycles it runs a short
-    warm-up (a plain step, a full block, one token). While plain decoding wins
+    warm-up (a full block, a plain step, one token). While plain decoding wins
     it drafts again now and then, so that a drafter whose acceptance recovers is
     noticed: at the best drafting depth, spaced so that probes lose at most
     ``probe_budget`` of the decoding time against plain steps (at least
@@ -246,7 +246,7 @@ class AdaptiveDepth:
     def draft_length(self, context_tokens: int) -> int:
         if self.max_depth == 0:
             return 0
-        if not self.costs.ready:  # warm-up: a plain step, a full block, one token
+        if not self.costs.ready:  # warm-up: a full block, a plain step, one token
             return self.costs.missing()[0]
         rates = self._rates()
         k = self._argmax(rates)
