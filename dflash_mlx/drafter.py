@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
@@ -35,7 +36,9 @@ if TYPE_CHECKING:
 
 Cache = Union[KVCache, WindowKVCache]
 
-SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
+SUPPORTED_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# What only a DFlash2 checkpoint has: loading it as v1 would silently drop the conv and the selector.
+DFLASH2_TENSORS = (".attention_conv.", ".mlp_conv.", "candidate_selector.")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -251,13 +254,15 @@ class DecoderLayer(nn.Module):
 class Drafter(nn.Module):
     """A DFlash draft model with the published (unprefixed) parameter names."""
 
+    decoder_layer = DecoderLayer  # a drafter kind with other layers (DFlash2) swaps this
+
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.args = args
         n_features = len(args.target_layer_ids)
         self.fc = nn.Linear(n_features * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, args.layer_window(i)) for i in range(args.num_hidden_layers)]
+        self.layers = [self.decoder_layer(args, args.layer_window(i)) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     @property
@@ -327,18 +332,23 @@ class Drafter(nn.Module):
                 c.trim(block.shape[1])
         return self.norm(h)
 
-    def draft_logits(
+    def draft_hidden(
         self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int
     ) -> mx.array:
-        """Logits [n, V] for the block [last, MASK x n], from one pass that also absorbs ``context``."""
+        """Final hidden states [n, H] of the drafted positions of [last, MASK x n]; the pass absorbs ``context``."""
         if context is None:  # everything committed is in the caches already
             context = mx.zeros((1, 0, len(self.target_layer_ids) * self.args.hidden_size), dtype=target.dtype)
         block = mx.concatenate([last, mx.full((n,), self.mask_token_id, dtype=last.dtype)])
         embeddings = target.embed(block[None])
         if self.input_embedding_scale != 1.0:
             embeddings = embeddings * self.input_embedding_scale
-        h = self(embeddings, context, cache)
-        return self.compute_logits(target.lm_head(h[:, 1:]))[0]
+        return self(embeddings, context, cache)[0, 1:]
+
+    def draft_logits(
+        self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int
+    ) -> mx.array:
+        """Logits [n, V] for the block [last, MASK x n], from one pass that also absorbs ``context``."""
+        return self.compute_logits(target.lm_head(self.draft_hidden(target, last, context, cache, n)))
 
     def propose(
         self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int,
@@ -394,8 +404,31 @@ def load_weights(files: list[Path]) -> dict[str, mx.array]:
     return weights
 
 
+def _check_tensors(model: Drafter, weights: dict[str, mx.array], path: Path) -> None:
+    """Name the first tensor that does not fit the config, with its expected shape, in one line."""
+    expected = dict(tree_flatten(model.parameters()))
+    prefix = f"drafter weights in {path} do not match its config:"
+    for name, value in expected.items():
+        if name not in weights:
+            raise DFlashError(f"{prefix} {name} is missing (expected shape {list(value.shape)})")
+        if weights[name].shape != value.shape:
+            raise DFlashError(f"{prefix} {name} has shape {list(weights[name].shape)}, expected {list(value.shape)}")
+    if extra := sorted(weights.keys() - expected.keys()):
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise DFlashError(f"{prefix} unexpected tensor {extra[0]}{more}")
+
+
+def _refuse_dflash2_as_v1(path: Path, architectures: list[str], names: Iterable[str]) -> None:
+    """A checkpoint with DFlash2 settings (dflash_config keys) or tensors must not load as v1."""
+    if any(n.startswith(("conv_", "selector_")) or any(m in n for m in DFLASH2_TENSORS) for n in names):
+        raise DFlashError(
+            f"{path} is a DFlash2 drafter (conv/selector settings or tensors) but its config says architectures "
+            f"{architectures or 'missing'}: set architectures to [\"DFlash2DraftModel\"]"
+        )
+
+
 def load_drafter(path: Path) -> Drafter:
-    """Load a z-lab DFlash checkpoint folder exactly as published."""
+    """Load a z-lab DFlash or DFlash2 checkpoint folder exactly as published."""
     config = _read_config(path)
     architectures = config.get("architectures") or []
     if "dflash_config" not in config and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
@@ -409,9 +442,16 @@ def load_drafter(path: Path) -> Drafter:
             f"drafter architecture {unsupported[0]} is not supported yet; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    args_class, model_class = DrafterArgs, Drafter
+    if "DFlash2DraftModel" in architectures:
+        from .dflash2 import DFlash2Args, DFlash2Drafter  # a subclass of this module's classes
+
+        args_class, model_class = DFlash2Args, DFlash2Drafter
+    else:
+        _refuse_dflash2_as_v1(path, architectures, config.get("dflash_config") or {})
     try:
-        args = DrafterArgs.from_dict(config)
-        model = Drafter(args)
+        args = args_class.from_dict(config)
+        model = model_class(args)
     except TypeError as e:
         raise DFlashError(f"drafter config in {path} is incomplete ({e})") from None
     _ = args.mask_token_id  # fail early when missing
@@ -419,14 +459,15 @@ def load_drafter(path: Path) -> Drafter:
         raise DFlashError(f"drafter block_size must be >= 1, got {model.block_size}")
 
     weights = load_weights(_weight_files(path))
+    if model_class is Drafter:
+        _refuse_dflash2_as_v1(path, architectures, weights)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
     if quant := config.get("quantization"):  # written by `dflash-mlx convert --draft-quantize`
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        msg = str(e).splitlines()[0]
-        raise DFlashError(f"drafter weights in {path} do not match its config: {msg}") from None
+    _check_tensors(model, weights, path)
+    model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     model.eval()
     return model

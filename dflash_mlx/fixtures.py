@@ -235,6 +235,70 @@ def write_drafter(
     return path
 
 
+def dflash2_config(
+    target: dict[str, Any],
+    num_hidden_layers: int = 1,
+    block_size: int = 8,
+    sliding_window: int = 2048,
+    conv_group_size: int = 16,
+    selector_rank: int = 16,
+    selector_top_k: int = 8,
+    target_layer_ids: Optional[list[int]] = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A DFlash2 config as published: all layers sliding and explicitly non-causal, RoPE in the
+    transformers-5 ``rope_parameters`` form, ``block_size`` only inside ``dflash_config``."""
+    config = drafter_config(target, num_hidden_layers, target_layer_ids=target_layer_ids)
+    for key in ("auto_map", "block_size", "rope_theta", "rope_scaling"):
+        config.pop(key)
+    config["dflash_config"].update(
+        block_size=block_size, conv_kernel_size=2, conv_group_size=conv_group_size,
+        selector_rank=selector_rank, selector_top_k=selector_top_k,
+    )
+    config.update(
+        architectures=["DFlash2DraftModel"],
+        is_causal=False,
+        layer_types=["sliding_attention"] * num_hidden_layers,
+        sliding_window=sliding_window,
+        use_sliding_window=True,
+        max_window_layers=num_hidden_layers,
+        hidden_act="silu",
+        rope_parameters={"rope_theta": target.get("rope_theta", 10000.0), "rope_type": "default"},
+    )
+    config.update(extra)
+    return config
+
+
+def write_dflash2_drafter(
+    path: Path, config: dict[str, Any], seed: int = 1, init_scale: float = 3.0, codebook_suffix: bool = False
+) -> Path:
+    """A random DFlash2 checkpoint (bf16, unprefixed names, bare codebook names unless ``codebook_suffix``).
+
+    The convolutions are far from their identity start and the codebooks large
+    enough that the selector reorders candidates, so tests see both at work.
+    """
+    from .dflash2 import CODEBOOKS, DFlash2Args, DFlash2Drafter
+
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = DFlash2Drafter(DFlash2Args.from_dict(config))
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        if k.endswith("base_kernel"):
+            v = v + 0.4 * mx.random.normal(v.shape)
+        elif k.endswith("kernel_projection.weight"):
+            v = 0.3 * mx.random.normal(v.shape) / v.shape[1] ** 0.5
+        elif k in CODEBOOKS:
+            v = mx.random.normal(v.shape)
+            k = f"{k}.weight" if codebook_suffix else k
+        elif "norm" not in k:
+            v = v * init_scale
+        weights[k] = v.astype(mx.bfloat16)
+    _save(path, weights)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path, token: int) -> Path:
     """A drafter whose every draft is ``token``, for runs where the target repeats it.
 
