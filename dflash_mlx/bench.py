@@ -9,20 +9,26 @@ the headline figures.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from .errors import DFlashError
+from .files import write_atomic
 from .generate import generate
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 BUILTIN_SETS = ("math", "code", "chat")
 # name -> (Hub dataset, config, split, field holding the prompt or the list of turns)
@@ -45,9 +51,11 @@ class Conversation:
 
 
 def builtin(name: str = "all") -> list[Conversation]:
+    """A built-in set; "all" interleaves them (math, code, chat, math, ...) so any prefix is a mix."""
     sets = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
     names = BUILTIN_SETS if name == "all" else (name,)
-    return [Conversation(f"{n}-{i}", [p]) for n in names for i, p in enumerate(sets[n])]
+    columns = [[Conversation(f"{n}-{i}", [p]) for i, p in enumerate(sets[n])] for n in names]
+    return [c for row in itertools.zip_longest(*columns) for c in row if c is not None]
 
 
 def read_jsonl(path: str) -> list[Conversation]:
@@ -275,27 +283,86 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def plot(records: list[dict[str, Any]], summary: dict[str, Any], path: str) -> None:
-    """Speedup and tau against prompt length, and the acceptance histogram (optional extra ``plot``)."""
-    try:
-        import matplotlib
+def check_outputs(outputs: dict[str, Optional[str]], force: bool) -> None:
+    """Fail on an output path that cannot be written, before minutes of measuring.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    ``outputs`` maps each flag to its path (None: not asked for). An existing file
+    is replaced only with ``force``; two flags may not name the same file.
+    """
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        target = Path(path).expanduser()
+        parent = target.parent
+        if target.is_dir():
+            raise DFlashError(f"{flag} {path} is a folder; give a file name")
+        if not parent.is_dir():
+            raise DFlashError(f"{flag} {path}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise DFlashError(f"{flag} {path}: folder {parent} is not writable")
+        if target.exists() and not force:
+            raise DFlashError(f"{flag} {path} already exists; pass --force to replace it")
+        resolved = target.resolve()
+        if resolved in seen:
+            raise DFlashError(f"{seen[resolved]} and {flag} name the same file {path}")
+        seen[resolved] = flag
+
+
+def require_matplotlib() -> None:
+    """``--plot`` needs the optional extra; say so before measuring, not after."""
+    try:
+        import matplotlib.figure  # noqa: F401
     except ImportError:
         raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
-    kept = sorted((r for r in records if not r["flagged"]), key=lambda r: r["prompt_tokens"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+
+
+def figure(report: dict[str, Any]) -> "Figure":
+    """The ``--plot`` figure for a bench report (the ``--json`` object): it can be redrawn from a saved run.
+
+    Speedup and tau get their own axes (their scales differ), speedup with the 1.0x
+    line it must beat; the histogram has one bin per possible accepted count. The
+    title names what the numbers depend on: model, window, machine and BLAS.
+    """
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    machine = report["machine"]
+    blas = os.path.basename(machine.get("blas") or "") or "n/a"
+    window = report["window"] if report["window"] is not None else "off"
+    title = (f"{report['model']}  |  window {window}  |  block {report['block_size']} ({report['policy']})\n"
+             f"{machine['processor']} ({machine['backend']})  |  BLAS {blas}")
+    kept = sorted((r for r in report["records"] if not r["flagged"]), key=lambda r: r["prompt_tokens"])
+    if not kept:
+        fig = Figure(figsize=(8, 3))
+        fig.suptitle(title, fontsize=9)
+        why = ("nothing was measured" if not report["records"] else
+               f"all {len(report['records'])} prompts were flagged (text differs from plain decoding, or a degenerate "
+               "loop),\nso there is nothing honest to plot: see the flags in the table or the JSON")
+        fig.text(0.5, 0.45, why, ha="center", va="center", fontsize=11)
+        return fig
+    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    fig.suptitle(title, fontsize=9)
+    speed_ax, tau_ax, hist_ax = fig.subplots(1, 3)
     x = [r["prompt_tokens"] for r in kept]
-    ax1.plot(x, [r["speedup"] for r in kept], "o-", label="speedup (dflash / plain decode tok/s)")
-    ax1.plot(x, [r["tau"] for r in kept], "s--", label="tau (tokens per cycle)")
-    ax1.set_xlabel("prompt tokens")
-    ax1.legend()
-    ax1.grid(alpha=0.3)
-    hist = summary["acceptance_histogram"]
-    ax2.bar(range(len(hist)), hist)
-    ax2.set_xlabel("accepted drafts per cycle")
-    ax2.set_ylabel("cycles")
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    speed_ax.plot(x, [r["speedup"] for r in kept], "o-", label="dflash / plain decode tok/s")
+    speed_ax.axhline(1.0, color="gray", linestyle="--", label="1.0x: no gain")
+    speed_ax.set(xlabel="prompt tokens", ylabel="speedup (x)", title="speedup")
+    speed_ax.legend(fontsize=8)
+    tau_ax.plot(x, [r["tau"] for r in kept], "s-", color="tab:orange")
+    tau_ax.set(xlabel="prompt tokens", ylabel="tokens per cycle", title="tau")
+    for ax in (speed_ax, tau_ax):
+        ax.grid(alpha=0.3)
+    hist = report["summary"]["acceptance_histogram"]
+    bins = range(max(report["block_size"], len(hist)))  # a block drafts block_size - 1 tokens: 0..block_size-1 accepted
+    hist_ax.bar(bins, [hist[k] if k < len(hist) else 0 for k in bins], width=0.8)
+    hist_ax.set_xticks(list(bins))
+    hist_ax.set_xlim(-0.5, len(bins) - 0.5)
+    hist_ax.set(xlabel="accepted drafts per cycle", ylabel="cycles", title="acceptance")
+    return fig
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Write :func:`figure` as a PNG, atomically (optional extra ``plot``)."""
+    fig = figure(report)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))

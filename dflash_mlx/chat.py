@@ -6,10 +6,11 @@ commands on it (the CLI only reads lines and prints).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,6 +19,10 @@ from .caches import make_cache
 from .errors import DFlashError
 from .files import write_atomic
 from .generate import GenerationResponse, GenerationResult, generate
+
+HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
+HISTORY_LENGTH = 1000
+INTERRUPTED = "interrupted"  # the finish_reason of a reply that Ctrl-C cut short
 
 
 @dataclass
@@ -76,16 +81,15 @@ class ChatSession:
 
         However the reply ends early, the caches stay valid (the generator abandons
         its cycle in flight). Ctrl-C keeps the partial reply in the history, so the
-        next turn goes on from it and reuses the caches; any other error drops the
-        message and re-raises.
+        next turn goes on from it and reuses the caches, and its figures in ``last``
+        (finish_reason "interrupted"; None when no token came yet); any other error
+        drops the message and re-raises.
         """
         self.messages.append({"role": "user", "content": text})
-        partial_text: list[str] = []
-        partial_tokens: list[int] = []
+        responses: list[GenerationResponse] = []
 
         def collect(response: GenerationResponse) -> None:
-            partial_text.append(response.text)
-            partial_tokens.extend(response.tokens)
+            responses.append(response)
             if on_response is not None:
                 on_response(response)
 
@@ -96,9 +100,11 @@ class ChatSession:
                 block_size=self.block_size, window=self.window, sinks=self.sinks, cache=self.cache, **self.options,
             )
         except KeyboardInterrupt:
-            self.ids = self._interrupted_history(prompt, partial_tokens)
-            reply = self.tokenizer.decode(self.ids[len(prompt) :]) if self.ids != prompt + partial_tokens else None
-            self.messages.append({"role": "assistant", "content": reply or "".join(partial_text)})
+            self.last = _cut_short(responses)
+            received = [t for r in responses for t in r.tokens]
+            self.ids = self._interrupted_history(prompt, received)
+            reply = self.tokenizer.decode(self.ids[len(prompt) :]) if self.ids != prompt + received else None
+            self.messages.append({"role": "assistant", "content": reply or "".join(r.text for r in responses)})
             raise
         except BaseException:
             self.messages.pop()
@@ -134,17 +140,64 @@ class ChatSession:
         write_atomic(path, json.dumps({"system": self.system, "messages": self.messages}, indent=1))
 
     def load(self, path: str) -> None:
+        """Replace the conversation with one written by /save; a bad file says why and changes nothing."""
         source = Path(path).expanduser()
+
+        def bad(why: str) -> DFlashError:
+            return DFlashError(f"cannot load conversation {source}: {why}")
+
         try:
-            data = json.loads(source.read_text())
-            messages = data["messages"]
-            if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
-                raise ValueError("every message needs a role and a content")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DFlashError(f"cannot load conversation {source}: {e}") from None
+            data = json.loads(source.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise bad("no such file") from None
+        except IsADirectoryError:
+            raise bad("it is a folder; give the file /save wrote") from None
+        except OSError as e:
+            raise bad(e.strerror or str(e)) from None
+        except UnicodeDecodeError:
+            raise bad("not a text file; give the JSON file /save wrote") from None
+        except json.JSONDecodeError as e:
+            raise bad(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list):
+            raise bad('JSON, but not a conversation: expected an object with a "messages" list, as /save writes')
+        for n, m in enumerate(messages, 1):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise bad(f'message {n} is not {{"role": TEXT, "content": TEXT}}')
+        if not isinstance(data.get("system"), (str, type(None))):
+            raise bad('"system" must be text or null')
         self.reset()
         self.system = data.get("system")
-        self.messages = list(messages)
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _cut_short(responses: list[GenerationResponse]) -> Optional[GenerationResult]:
+    """The figures of a reply Ctrl-C stopped, as generate() gives them for a whole one (None: no token yet)."""
+    return GenerationResult.from_responses(responses, INTERRUPTED) if responses else None
+
+
+@contextlib.contextmanager
+def line_editing() -> Iterator[None]:
+    """Arrow keys, line editing and history (this chat's lines and earlier chats') for input().
+
+    Importing readline is what gives input() all this; some platforms lack the module,
+    and the chat then reads plain lines. The history file is a convenience: failing to
+    read or write it (no home folder, a read-only disk) never disturbs the chat.
+    """
+    try:
+        import readline
+    except ImportError:
+        yield
+        return
+    readline.set_history_length(HISTORY_LENGTH)
+    with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: no home folder to expand ~ to
+        readline.read_history_file(HISTORY.expanduser())
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            HISTORY.expanduser().parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(HISTORY.expanduser())
 
 
 HELP = """commands:
@@ -153,15 +206,17 @@ HELP = """commands:
   /stats          statistics of the last reply
   /save FILE      save the conversation as JSON
   /load FILE      load a conversation saved with /save
-  /quit           leave (also Ctrl-D; Ctrl-C twice at an empty prompt)
+  /quit, /exit    leave (also Ctrl-D; Ctrl-C twice at an empty prompt)
   /help           this list"""
 
 
 def stats_line(session: ChatSession) -> str:
+    """The last reply's figures on one line (plain text); a reply Ctrl-C stopped says so and how far it got."""
     r = session.last
     assert r is not None
     context = f"{session.context_tokens}" + (f" (window {session.window})" if session.window else "")
-    return (f"{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
+    stopped = f"interrupted after {len(r.tokens)} tok | " if r.finish_reason == INTERRUPTED else ""
+    return (f"{stopped}{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
             f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok")
 
 
@@ -169,7 +224,7 @@ def run_command(session: ChatSession, line: str, out: Console) -> bool:
     """Carry out one slash command, printing its outcome; False when it asks to leave."""
     command, _, arg = line.partition(" ")
     arg = arg.strip()
-    if command == "/quit":
+    if command in ("/quit", "/exit"):
         return False
     if command == "/help":
         out.print(HELP)
@@ -181,7 +236,7 @@ def run_command(session: ChatSession, line: str, out: Console) -> bool:
         session.reset()
         out.print("[dim]system prompt set; conversation reset[/]")
     elif command == "/stats":
-        out.print(stats_line(session) if session.last else "[dim]no reply yet[/]")
+        out.print(escape(stats_line(session)) if session.last else "[dim]no reply yet[/]", soft_wrap=True)
     elif command in ("/save", "/load"):
         if not arg:
             out.print(f"[red]usage: {command} FILE[/]")
@@ -191,7 +246,7 @@ def run_command(session: ChatSession, line: str, out: Console) -> bool:
             out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {escape(arg)} "
                       f"({len(session.messages)} messages)[/]")
         except DFlashError as e:
-            out.print(f"[red]error:[/] {escape(str(e))}")
+            out.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)  # one line, however long
     else:
         out.print(f"[red]unknown command {escape(command)}[/]; /help lists them")
     return True

@@ -86,7 +86,7 @@ def main(
 
 TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
 MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate (per reply).")
-BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle [default: adaptive, up to the drafter's block].")
+BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle \\[default: adaptive, up to the drafter's block].")
 WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
 SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
@@ -122,7 +122,7 @@ def generate(
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
     prefill_step_size: Optional[int] = typer.Option(
-        None, "--prefill-step", help="Prefill this many tokens at a time [default: 2048, window/16 with --window]."
+        None, "--prefill-step", help="Prefill this many tokens at a time \\[default: 2048, window/16 with --window]."
     ),
     temperature: float = TEMP,
     top_p: float = TOP_P,
@@ -134,7 +134,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
-    from .generate import GenerationResponse
+    from .generate import GenerationResponse, encode_prompt
     from .generate import generate as run
     from .loader import load
 
@@ -143,9 +143,16 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     tgt, drafter, tokenizer = load(draft, target)
-    ids: Any = prompt
     if chat_template and tokenizer.has_chat_template:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = encode_prompt(tokenizer, prompt)
+    limit = getattr(tgt.lm.args, "max_position_embeddings", None)
+    if limit is not None and len(ids) >= limit:
+        raise DFlashError(f"the prompt has {len(ids)} tokens; this model takes at most {limit} positions")
+    if limit is not None and len(ids) + max_tokens > limit:
+        err.print(f"[yellow]warning:[/] prompt ({len(ids)} tokens) + --max-tokens {max_tokens} runs past the model's "
+                  f"{limit} positions; it may degrade after that", soft_wrap=True)
 
     def show(response: GenerationResponse) -> None:
         if not as_json:
@@ -170,14 +177,6 @@ def generate(
     )
 
 
-def _converted_bundles() -> list[Path]:
-    """Bundles in the current folder and in ~/.cache/dflash-mlx (where users keep them)."""
-    from .registry import is_bundle
-
-    places = [Path.cwd(), Path.home() / ".cache" / "dflash-mlx"]
-    return sorted({p.resolve() for place in places if place.is_dir() for p in place.iterdir() if p.is_dir() and is_bundle(p)})
-
-
 @app.command()
 @user_errors
 def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
@@ -185,19 +184,19 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
     from huggingface_hub import scan_cache_dir
     from rich.table import Table
 
-    from .registry import pairs
+    from .registry import known_bundles, pairs
 
     try:
         cached = {repo.repo_id for repo in scan_cache_dir().repos}
     except Exception:  # no cache folder yet, or an unreadable one
         cached = set()
     converted = {}
-    for bundle in _converted_bundles():
+    for bundle in known_bundles():
         manifest = json.loads((bundle / "dflash.json").read_text())
         converted.setdefault(manifest.get("drafter"), []).append(str(bundle))
     rows = [
         dict(drafter=p.drafter, target=p.target, architecture=p.model_type, supported=p.supported,
-             thinking=p.thinking, block_size=p.block_size, memory_gb=p.memory_gb,
+             thinking=p.thinking, memory_gb=p.memory_gb, gated=p.gated, notes=p.notes,
              downloaded=p.drafter in cached and p.target in cached, converted=converted.get(p.drafter, []))
         for p in pairs()
     ]
@@ -211,9 +210,10 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
     for r in rows:
         local = "converted" if r["converted"] else ("downloaded" if r["downloaded"] else "")
         runs = "yes" if r["supported"] else f"[dim]not yet ({r['architecture']})[/]"
-        table.add_row(r["drafter"].removeprefix("z-lab/"), r["target"], runs, r["thinking"], str(r["memory_gb"]), local)
-    blocks = sorted({r["block_size"] for r in rows})
-    table.caption = f"block size {', '.join(map(str, blocks))}; --json has every field"
+        name = r["drafter"].removeprefix("z-lab/") + (" [dim](gated)[/]" if r["gated"] else "")
+        table.add_row(name, r["target"], runs, r["thinking"], str(r["memory_gb"]), local)
+    table.caption = ("gated: accept the terms on the model's page, then `hf auth login`; "
+                     "block sizes come from each drafter's config; --json has every field and the notes")
     Console(highlight=False).print(table)
 
 
@@ -232,21 +232,43 @@ def convert(
 ) -> None:
     """Convert a drafter and its target into one offline MLX bundle (optionally quantized)."""
     from .convert import convert as run
+    from .convert import summary
 
     with err.status("checking the pair") as status:  # transient: only the result or one error line stays
         path = run(source, out, target=target, quantize=quantize, q_group_size=q_group_size, dtype=dtype,
                    draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force, log=status.update)
-    typer.echo(str(path))
+    typer.echo(summary(path))
 
 
 @app.command()
 @user_errors
-def doctor() -> None:
-    """Check the MLX backend, the BLAS, versions, the Hugging Face cache and converted bundles."""
+def doctor(
+    model: Optional[str] = typer.Argument(
+        None, help="With --selftest: registry name, drafter repo/folder or bundle \\[default: fits this machine]."
+    ),
+    target: Optional[str] = TARGET,
+    selftest: bool = typer.Option(False, "--selftest", help="Prove DFlash lossless on MODEL, on this machine."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-m", help="With --selftest: tokens to decode per prompt."),
+) -> None:
+    """Check the MLX backend, the BLAS, versions, the Hugging Face cache and converted bundles.
+
+    --selftest then decodes a math, a code and a chat prompt greedily with plain decoding and with
+    DFlash, and compares them token for token. Exit status: 0 identical everywhere; 1 near-ties only
+    (logits closer than the threshold it prints, which kernel rounding can flip); 3 a real divergence
+    (a bug: please report it with the output).
+    """
     import mlx.core as mx
     from huggingface_hub import constants
 
     from .system import blas_library, find_openblas, is_reference_blas, machine_description
+
+    if selftest:
+        from .selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE, check_max_tokens
+        from .selftest import selftest as run
+
+        check_max_tokens(max_tokens)
+    elif model is not None or target is not None:
+        raise DFlashError("MODEL and --target are for the selftest: dflash-mlx doctor --selftest MODEL")
 
     info = machine_description()
     out = Console(highlight=False, soft_wrap=True)
@@ -265,14 +287,51 @@ def doctor() -> None:
             out.print(f"BLAS          {blas}")
     out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
     out.print(f"HF cache      {constants.HF_HUB_CACHE}")
-    bundles = _converted_bundles()
-    out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (cwd, ~/.cache/dflash-mlx)"))
+    from .registry import known_bundles
+
+    bundles = known_bundles()
+    out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (converted ones are listed here)"))
+    if not selftest:
+        return
+    from .loader import load
+    from .registry import default_pair
+
+    if model is None:
+        model = default_pair(info["memory_bytes"]).drafter
+        err.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
+    tgt, drafter, tokenizer = load(model, target)
+    with err.status("selftest: plain and DFlash greedy decoding") as status:
+        result = run(tgt, drafter, tokenizer, max_tokens=max_tokens,
+                     on_prompt=lambda record: status.update(f"selftest: {record['prompt']} done"))
+    dtype, limit = str(result.dtype).rsplit(".", 1)[-1], f"{result.threshold:g}"
+    out.print(f"selftest      {escape(model)}: plain vs DFlash greedy, {max_tokens} tokens per prompt; "
+              f"{dtype} logits: a divergence within {limit} of the top logit is a near-tie")
+    for p in result.prompts:
+        line = f"  {p.name:<11} plain {p.plain_tps:.1f} tok/s, DFlash {p.dflash_tps:.1f} tok/s, {p.speedup:.2f}x  "
+        d = p.divergence
+        if d is None:
+            out.print(line + "identical")
+            continue
+        plain_token, dflash_token = (escape(f"{t} {tokenizer.decode([t])!r}") for t in (d.plain_token, d.dflash_token))
+        verdict = f"< {limit}: near-tie" if d.near_tie else f">= {limit}: [bold red]real divergence[/]"
+        out.print(line + f"differs at token {d.position}: plain {plain_token}, DFlash {dflash_token}; target logits: "
+                  f"top-1 - top-2 = {d.margin:.3g}, top-1 - lower of the two = {d.gap:.3g} {verdict}")
+    out.print(f"speedup       {result.speedup:.2f}x overall (decode tok/s, DFlash over plain)")
+    if result.exit_code == EXIT_IDENTICAL:
+        out.print(f"verdict       lossless: identical to plain greedy decoding on all {len(result.prompts)} prompts")
+    elif result.exit_code == EXIT_NEAR_TIE:
+        out.print("verdict       near-ties only: a verify block and a one-token step run kernels of different "
+                  "shapes (on Metal in particular), whose rounding can flip logits this close; not a DFlash bug")
+    else:
+        out.print("verdict       [bold red]real divergence[/]: DFlash emitted a token the target did not prefer; "
+                  "this is a bug, please report it with this output")
+    raise typer.Exit(result.exit_code)
 
 
 @app.command()
 @user_errors
 def chat(
-    model: Optional[str] = typer.Argument(None, help="Registry name, drafter repo/folder or bundle [default: fits this machine]."),
+    model: Optional[str] = typer.Argument(None, help="Registry name, drafter repo/folder or bundle \\[default: fits this machine]."),
     target: Optional[str] = TARGET,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
@@ -288,7 +347,7 @@ def chat(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
 ) -> None:
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
-    from .chat import ChatSession, run_command, stats_line
+    from .chat import ChatSession, line_editing, run_command, stats_line
     from .generate import GenerationResponse
     from .loader import load
     from .registry import default_pair, find
@@ -314,37 +373,44 @@ def chat(
     out = Console(highlight=False)
     if interactive:
         out.print(f"[dim]{escape(model)} — /help for commands, Ctrl-C stops a reply[/]")
-    interrupts = 0
-    while True:
-        try:
-            line = input("> " if interactive else "")
-            interrupts = 0
-        except EOFError:
-            break
-        except KeyboardInterrupt:
-            interrupts += 1
-            if interrupts >= 2:
-                break
-            out.print("\n[dim](Ctrl-C again or /quit to leave)[/]")
-            continue
-        text = line.strip()
-        if not text:
-            continue
-        if text.startswith("/"):
-            if not run_command(session, text, out):
-                break
-            continue
-        def show(response: GenerationResponse) -> None:
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
 
-        try:
-            session.reply(text, on_response=show)
-        except KeyboardInterrupt:
-            out.print("\n[yellow]stopped[/]")
-            continue
-        sys.stdout.write("\n")
-        err.print(f"[dim]{stats_line(session)}[/]", soft_wrap=True)
+    def show(response: GenerationResponse) -> None:
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+
+    interrupts = 0
+    # The prompt stays plain "> ": readline counts every character of it as a column, escapes included.
+    with line_editing() if interactive else contextlib.nullcontext():
+        while True:
+            try:
+                line = input("> " if interactive else "")
+                interrupts = 0
+            except EOFError:
+                if interactive:  # Ctrl-D leaves the cursor after "> "; the shell's prompt starts on a fresh line
+                    sys.stdout.write("\n")
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+                if interrupts >= 2:
+                    sys.stdout.write("\n")
+                    break
+                out.print("\n[dim](Ctrl-C again or /quit to leave)[/]")
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not run_command(session, text, out):
+                    break
+                continue
+            try:
+                session.reply(text, on_response=show)
+            except KeyboardInterrupt:
+                pass  # the reply stops; its figures so far follow, marked interrupted
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            stats = stats_line(session) if session.last else "interrupted before the first token"
+            err.print(f"[dim]{escape(stats)}[/]", soft_wrap=True)
 
 
 @app.command()
@@ -356,17 +422,23 @@ def bench(
     sinks: int = SINKS,
     prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Context sweep: prompt lengths, e.g. 1024,4096,8192."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Tokens to decode per prompt."),
-    dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
+    dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in, interleaved), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
     num_prompts: int = typer.Option(12, "--num-prompts", help="Most prompts to run."),
     block_size: Optional[int] = BLOCK_SIZE,
     temperature: float = TEMP,
     repeats: int = typer.Option(1, "--repeats", help="Runs per prompt; the order of the two paths alternates."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
-    plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup/tau vs context and the acceptance histogram (PNG)."),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup and tau vs context and the acceptance histogram (PNG)."),
+    force: bool = typer.Option(False, "--force", help="Replace existing --json and --plot files."),
 ) -> None:
-    """Measure DFlash against plain decoding of the same target, prompt by prompt, side by side."""
+    """Measure DFlash against plain decoding of the same target, prompt by prompt, side by side.
+
+    Ctrl-C stops early and keeps (prints and writes) the prompts measured so far.
+    """
+    from rich import box
     from rich.progress import Progress
     from rich.table import Table
+    from rich.text import Text
 
     from . import bench as b
     from .loader import load
@@ -375,6 +447,9 @@ def bench(
     _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
         raise DFlashError("--repeats and --num-prompts must be >= 1")
+    b.check_outputs({"--json": json_out, "--plot": plot_out}, force)
+    if plot_out:
+        b.require_matplotlib()
     lengths = None
     if prompt_tokens:
         try:
@@ -403,39 +478,68 @@ def bench(
     else:
         conversations = conversations[:num_prompts]
 
+    planned = sum(max(1, len(c.turns)) for c in conversations)
+    records: list[dict[str, Any]] = []
+    interrupted = False
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("bench", total=sum(max(1, len(c.turns)) for c in conversations))
-        records = b.measure(tgt, drafter, tokenizer, conversations, max_tokens=max_tokens, block_size=block_size,
-                            window=window, sinks=sinks, temperature=temperature, repeats=repeats,
-                            on_record=lambda r: progress.advance(task))
+        task = progress.add_task("bench", total=planned)
+
+        def done(record: dict[str, Any]) -> None:
+            records.append(record)
+            progress.advance(task)
+
+        try:
+            b.measure(tgt, drafter, tokenizer, conversations, max_tokens=max_tokens, block_size=block_size,
+                      window=window, sinks=sinks, temperature=temperature, repeats=repeats, on_record=done)
+        except KeyboardInterrupt:  # minutes of measurements are worth keeping
+            interrupted = True
+    if interrupted and not records:
+        err.print("[yellow]interrupted[/] before the first prompt was measured; nothing written")
+        raise typer.Exit(130)
+
+    def label(r: dict[str, Any]) -> str:
+        return r["prompt"] + (f" t{r['turn']}" if r["turn"] else "")
+
     summary = b.summarize(records)
-    out = Console(highlight=False)
-    table = Table(title=f"dflash vs plain decoding — {model}")
-    for col in ("prompt", "tokens", "plain tok/s", "dflash tok/s", "speedup", "tau", "prefill tok/s", "peak GB", "flags"):
-        table.add_column(col)
+    out = Console(highlight=False, soft_wrap=True)  # lines too long for the terminal wrap instead of being cut
+    headers = ("prompt", "tokens", "plain tok/s", "dflash tok/s", "speedup", "tau", "prefill tok/s", "peak GB", "flag")
+    rows = [[label(r), str(r["prompt_tokens"]), f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}",
+             f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}",
+             f"{r['dflash']['peak_memory_gb']:.2f}", "yes" if r["flagged"] else ""] for r in records]
+    table = Table(title=f"dflash vs plain decoding — {escape(model)}", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  collapse_padding=True)
+    for i, header in enumerate(headers):
+        # Rich shrinks the widest column first and cuts it with "...". Fixed widths fit every cell whole (the
+        # prompt name unbroken, headers wrap between words), so 80 columns lose nothing; beyond that, cells fold.
+        width = max(len(word) for text in (header, *(row[i] for row in rows)) for word in ([text] if i == 0 else text.split()))
+        table.add_column(header, width=width, overflow="fold", justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*map(Text, row))
+    out.print(table, soft_wrap=False)
+    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step), and flags:")
     for r in records:
-        table.add_row(f"{r['prompt']}" + (f" t{r['turn']}" if r["turn"] else ""), str(r["prompt_tokens"]),
-                      f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}", f"{r['dflash']['peak_memory_gb']:.2f}",
-                      "; ".join(r["flagged"]))
-    out.print(table)
-    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step):")
-    for r in records:
-        out.print(f"  {r['prompt']}" + (f" t{r['turn']}" if r["turn"] else "") + f"  {b.depths_text(r['depth_histogram'])}")
+        flags = f"  flagged: {'; '.join(r['flagged'])}" if r["flagged"] else ""
+        out.print(f"  {escape(label(r))}  {b.depths_text(r['depth_histogram'])}{flags}")
     if summary["speedup"] is not None:
         s, t = summary["speedup"], summary["tau"]
         out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "
                   f"tau median {t['median']:.2f} over {summary['prompts'] - summary['flagged']} prompts")
     if summary["flagged"]:
         out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
+    report = {"model": model, "target": target, "window": window, "sinks": sinks, "block_size": block_size or drafter.block_size,
+              "policy": "fixed" if block_size else "adaptive",
+              "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
+              "interrupted": interrupted, "measured": len(records), "planned": planned,
+              "machine": machine_description(), "summary": summary, "records": records}
     if json_out:
-        report = {"model": model, "target": target, "window": window, "sinks": sinks, "block_size": block_size or drafter.block_size,
-                  "policy": "fixed" if block_size else "adaptive",
-                  "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
-                  "machine": machine_description(), "summary": summary, "records": records}
         write_atomic(json_out, json.dumps(report, indent=1))
     if plot_out:
-        b.plot(records, summary, plot_out)
+        b.plot(report, plot_out)
+    if interrupted:
+        kept = " and ".join(p for p in (json_out, plot_out) if p)
+        err.print(f"[yellow]interrupted:[/] measured {len(records)} of {planned} prompts"
+                  + (f"; written to {escape(kept)}" if kept else ""), soft_wrap=True)
+        raise typer.Exit(130)
 
 
 def _duration(text: str) -> float:
@@ -454,19 +558,22 @@ def _duration(text: str) -> float:
 def train(
     target: str = typer.Argument(..., help="Target to train a drafter for: repo id or folder."),
     out: str = typer.Option(..., "--out", "-o", help="Folder for the drafter (z-lab layout) and its checkpoint."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL of prompts [default: a small built-in set]."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL of prompts \\[default: a small built-in set]."),
     layers: int = typer.Option(1, "--layers", help="Draft layers."),
     block_size: int = typer.Option(16, "--block-size", help="Block size to train for."),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps [default: 200]."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps \\[default: 200]."),
     time_budget: Optional[str] = typer.Option(None, "--time", help="Training time instead of steps, e.g. 15m."),
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, cosine, 4% warmup)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from datetime import timedelta
 
+    from rich.table import Column
+
+    from .train import CHECKPOINT, saved_step
     from .train import train as run
 
     if steps is not None and time_budget is not None:
@@ -477,29 +584,52 @@ def train(
             ids = [int(x) for x in target_layer_ids.split(",")]
         except ValueError:
             raise DFlashError(f"--target-layer-ids takes comma-separated integers, got {target_layer_ids!r}") from None
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                   TimeElapsedColumn(), console=err, transient=True)
+    budget = _duration(time_budget) if time_budget else None
+
+    def text(template: str) -> TextColumn:
+        return TextColumn(template, table_column=Column(no_wrap=True))
+
+    # The texts never wrap; the bar takes the width left over, so "step N/total" and the time fit in 80 columns.
+    bar = Progress(text("{task.description}"), text("{task.fields[count]}"), BarColumn(bar_width=None),
+                   text("{task.fields[time]}"), text("{task.fields[info]}"), console=err, transient=True)
     tasks: dict[str, Any] = {}
 
+    def clock(seconds: Optional[float]) -> str:
+        return "-:--:--" if seconds is None else str(timedelta(seconds=round(seconds)))
+
     def show(event: dict[str, Any]) -> None:
-        phase = event.get("phase")
+        phase = event["phase"]
         if phase == "done":
             return
         if not tasks:
             bar.start()
-        if phase not in tasks:
-            tasks[phase] = bar.add_task(phase, total=event.get("total") or event.get("steps") or 1, info="")
+        if phase not in tasks:  # the fields exist from the start: the bar renders in its own thread
+            tasks[phase] = bar.add_task(phase, total=1.0 if phase == "train" else event["total"], count="", time="", info="")
+        task = tasks[phase]
         if phase == "train":
-            info = f"loss {event['loss']:.3f} | {event['tokens_per_s']:.0f} tok/s | lr {event['lr']:.1e}"
-            done = event["progress"] * bar.tasks[tasks[phase]].total
-        else:
-            info, done = f"{event.get('done', 0)}/{event.get('total', 0)}", event.get("done", 0)
-        bar.update(tasks[phase], completed=done, info=info)
+            step, spent = event["step"], event["elapsed"]  # seconds of training, resumed runs included
+            if budget is None:
+                count, timing = f"step {step}/{event['steps']}", f"ETA {clock(spent / step * (event['steps'] - step))}"
+            else:
+                count, timing = f"step {step}", f"{clock(spent)} elapsed, {clock(max(0.0, budget - spent))} left"
+            info = f"loss {event['loss']:.3f} | {event['tokens_per_s']:.0f} tok/s"
+            bar.update(task, completed=event["progress"], count=count, time=timing, info=info)
+        else:  # generate, eval: rich estimates the time left from the pace so far
+            bar.update(task, completed=event["done"], count=f"{event['done']}/{event['total']}")
+            bar.update(task, time=f"ETA {clock(bar.tasks[task].time_remaining)}")
 
-    budget = _duration(time_budget) if time_budget else None
     try:
         result = run(target, out, prompts=prompts, layers=layers, block_size=block_size, target_layer_ids=ids,
                      steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
+    except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
+        step = saved_step(out)
+        if step is None:
+            err.print("\n[yellow]interrupted[/] before the first training step; nothing was saved", soft_wrap=True)
+        else:
+            where = escape(str(Path(out).expanduser() / CHECKPOINT))
+            err.print(f"\n[yellow]interrupted:[/] checkpoint of step {step} saved in {where}; "
+                      "run the same command with --resume to continue", soft_wrap=True)
+        raise typer.Exit(130)
     finally:
         if tasks:  # started by the first progress event: stopping an unstarted bar prints a blank line
             bar.stop()
@@ -509,3 +639,58 @@ def train(
         f"{result.tokens_per_s:.0f} tok/s, held-out tau {tau} (block {block_size})",
         soft_wrap=True,
     )
+
+
+@app.command()
+@user_errors
+def serve(
+    model: Optional[str] = typer.Argument(None, help="Registry name, drafter repo/folder or bundle \\[default: fits this machine]."),
+    target: Optional[str] = TARGET,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8080, "--port", help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require Authorization: Bearer KEY."),
+    block_size: Optional[int] = BLOCK_SIZE,
+    window: Optional[int] = WINDOW,
+    sinks: int = SINKS,
+) -> None:
+    """Serve the pair over the OpenAI HTTP API (chat and text completions, streamed or not)."""
+    import threading
+    import time
+
+    try:
+        import uvicorn
+
+        from .server import Engine, create_app
+    except ImportError:
+        raise DFlashError("serve needs its HTTP stack: pip install 'dflash-mlx[serve]'") from None
+    from .loader import load
+    from .registry import default_pair
+    from .system import machine_description
+
+    _check_options(block_size, 1, window, sinks)
+    if not 0 < port < 65536:
+        raise DFlashError(f"--port must be between 1 and 65535, got {port}")
+    if model is None:
+        model = default_pair(machine_description()["memory_bytes"]).drafter
+    with err.status(f"loading {escape(model)}"):
+        tgt, drafter, tokenizer = load(model, target)
+    if window is not None or block_size is not None:
+        _check_options(block_size or drafter.block_size, 1, window, sinks)
+    engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key), host=host, port=port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="dflash-mlx http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if not server.started:  # uvicorn logs why (the port is taken, no such address) and gives up
+        raise DFlashError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
+    err.print(f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", soft_wrap=True)
+    try:
+        engine.run(serving=http.is_alive)
+    except KeyboardInterrupt:  # the way to stop a server: not an error
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+    err.print("stopped")

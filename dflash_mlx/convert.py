@@ -13,6 +13,8 @@ import contextlib
 import datetime
 import io
 import json
+import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,7 +28,7 @@ from . import __version__
 from .drafter import load_drafter
 from .errors import DFlashError
 from .loader import cast_floats, check_pair, check_target_folder, resolve
-from .registry import MANIFEST
+from .registry import MANIFEST, remember_bundle
 from .registry import resolve as registry_resolve
 from .target import Target
 
@@ -34,6 +36,7 @@ QUANT_BITS = {"2bit": 2, "3bit": 3, "4bit": 4, "5bit": 5, "6bit": 6, "8bit": 8}
 QUANT_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 DTYPES = ("bfloat16", "float16", "float32")
 DRAFT_QUANT = {"none": None, "8bit": 8, "4bit": 4}
+FLOAT_DFLASH2 = ("attention_conv", "mlp_conv", "candidate_selector")
 
 
 def _check_options(quantize: Optional[str], dtype: Optional[str], draft_quantize: str, group_size: int) -> None:
@@ -86,10 +89,11 @@ def _write_drafter(drafter: nn.Module, source: Path, out: Path, dtype: Optional[
         drafter.update(cast_floats(drafter.parameters(), getattr(mx, dtype)))
     config = json.loads((source / "config.json").read_text())
     if bits is not None:
-        # Layers whose input width the group size does not divide stay in float.
+        # Layers whose input width the group size does not divide stay in float, and so do DFlash2's
+        # convolution kernels and selector: small, and their scores choose the drafted path.
         nn.quantize(drafter, group_size=group_size, bits=bits,
                     class_predicate=lambda p, m: isinstance(m, nn.Linear) and (quantize_fc or p != "fc")
-                    and m.weight.shape[-1] % group_size == 0)
+                    and m.weight.shape[-1] % group_size == 0 and not any(k in p for k in FLOAT_DFLASH2))
         config["quantization"] = {"group_size": group_size, "bits": bits}
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())),
                         metadata={"format": "mlx"})
@@ -115,15 +119,17 @@ def convert(
     out_path = Path(out).expanduser().resolve()
     if out_path.exists() and not force:
         raise DFlashError(f"{out_path} already exists; pass --force to replace it")
-    if not out_path.parent.is_dir():
-        raise DFlashError(f"{out_path.parent} does not exist")
     draft, target, _ = registry_resolve(source, target)
     if target is None:
-        raise DFlashError(f"no target for drafter {source}: pass --target")
+        raise DFlashError(f"drafter {source} needs its target: pass --target TARGET")
     draft_path = resolve(draft, "drafter")
     target_path = resolve(target, "target")
     drafter = _check_pair(target_path, draft_path)
 
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot create {out_path.parent}: {e.strerror or e}") from None
     need = _estimate(target_path, draft_path, quantize, dtype)
     free = shutil.disk_usage(out_path.parent).free
     if need * 1.1 > free:
@@ -147,14 +153,18 @@ def convert(
         _write_drafter(drafter, draft_path, tmp / "draft", dtype, DRAFT_QUANT[draft_quantize], q_group_size, quantize_fc)
         manifest = {
             "format": 1,
-            "drafter": draft, "drafter_revision": _revision(draft_path),
-            "target": target, "target_revision": _revision(target_path),
+            "drafter": _source(draft), "drafter_revision": _revision(draft_path),
+            "target": _source(target), "target_revision": _revision(target_path),
+            "target_parameters": _parameter_count(target_path),
             "dtype": dtype, "quantize": quantize, "q_group_size": q_group_size,
             "draft_quantize": draft_quantize, "quantize_fc": quantize_fc,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "dflash_mlx": __version__,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; a bundle gets the usual permissions
         if out_path.exists():  # --force: swap only once the new bundle is complete
             old = out_path.with_name(f".{out_path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -169,4 +179,29 @@ def convert(
         raise DFlashError(f"convert failed: {str(e).splitlines()[0]}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remember_bundle(out_path)
     return out_path
+
+
+def _source(name: str) -> str:
+    """What finds a source again from anywhere: a local folder's absolute path, or the repo id."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
+
+
+def _parameter_count(folder: Path) -> int:
+    """Weights in a checkpoint, from its safetensors headers (no tensor is read)."""
+    count = 0
+    for f in folder.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        count += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return count
+
+
+def summary(bundle: Path) -> str:
+    """One line: the bundle's size on disk and the target's bits per weight."""
+    size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    params = json.loads((bundle / MANIFEST).read_text()).get("target_parameters")
+    bits = f", target at {8 * _weights_bytes(bundle / 'target') / params:.2f} bits per weight" if params else ""
+    return f"{bundle}: {size / 1e9:.2f} GB on disk{bits}"

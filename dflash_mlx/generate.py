@@ -64,6 +64,18 @@ class GenerationResult:
     acceptance: list[int] = field(default_factory=list)  # accepted drafts, per cycle
     drafted: list[int] = field(default_factory=list)  # drafts proposed, per cycle
 
+    @classmethod
+    def from_responses(cls, responses: list[GenerationResponse], finish_reason: Optional[str] = None) -> GenerationResult:
+        """The run's text and figures from its responses (however many arrived); ``finish_reason`` overrides."""
+        last, cycles = responses[-1], responses[1:]  # the first response is the prefill's token, not a verify cycle
+        return cls(
+            text="".join(r.text for r in responses), tokens=[t for r in responses for t in r.tokens],
+            finish_reason=finish_reason or last.finish_reason, prompt_tokens=last.prompt_tokens,
+            prompt_cached=last.prompt_cached, prompt_tps=last.prompt_tps, generation_tokens=last.generation_tokens,
+            generation_tps=last.generation_tps, peak_memory=last.peak_memory,
+            acceptance=[r.accepted for r in cycles], drafted=[len(r.drafted) for r in cycles],
+        )
+
     @property
     def cycles(self) -> int:
         return len(self.acceptance)
@@ -421,30 +433,9 @@ def generate(
 
     ``on_response`` sees every cycle's response as it arrives (to stream the text).
     """
-    text: list[str] = []
-    tokens: list[int] = []
-    acceptance: list[int] = []
-    drafted: list[int] = []
-    response = None
-    for i, response in enumerate(stream_generate(target, drafter, tokenizer, prompt, **kwargs)):
+    responses = []
+    for response in stream_generate(target, drafter, tokenizer, prompt, **kwargs):
         if on_response is not None:
             on_response(response)
-        text.append(response.text)
-        tokens.extend(response.tokens)
-        if i > 0:  # the first response is the prefill's token, not a verify cycle
-            acceptance.append(response.accepted)
-            drafted.append(len(response.drafted))
-    assert response is not None
-    return GenerationResult(
-        text="".join(text),
-        tokens=tokens,
-        finish_reason=response.finish_reason,
-        prompt_tokens=response.prompt_tokens,
-        prompt_cached=response.prompt_cached,
-        prompt_tps=response.prompt_tps,
-        generation_tokens=response.generation_tokens,
-        generation_tps=response.generation_tps,
-        peak_memory=response.peak_memory,
-        acceptance=acceptance,
-        drafted=drafted,
-    )
+        responses.append(response)
+    return GenerationResult.from_responses(responses)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
@@ -17,6 +18,11 @@ from .registry import resolve as registry_resolve
 from .target import Target, check_model_type
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What loading reads, as mlx-lm fetches it, plus drafters' weights under other names. Nothing in
+# subfolders: repos keep extra copies of the weights there (Llama's original/*.pth, gpt-oss's
+# original/ and metal/), two to three times the download.
+DOWNLOAD_PATTERNS = [*DEFAULT_ALLOW_PATTERNS, "*.safetensors", "*.safetensors.index.json"]
+SKIPPED_PATTERNS = ["*/*"]
 
 
 def resolve(name: str, what: str) -> Path:
@@ -29,12 +35,20 @@ def resolve(name: str, what: str) -> Path:
     if not _REPO_ID.match(name):
         raise DFlashError(f"{what} {name}: no such folder")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+    )
 
     try:
-        return Path(snapshot_download(name))
+        return Path(snapshot_download(name, allow_patterns=DOWNLOAD_PATTERNS, ignore_patterns=SKIPPED_PATTERNS))
+    except GatedRepoError:
+        raise DFlashError(
+            f"{what} {name} is gated: accept its terms on https://huggingface.co/{name} , then log in with "
+            "`hf auth login` and run this again"
+        ) from None
     except RepositoryNotFoundError:
-        raise DFlashError(f"{what} {name}: no such folder or Hugging Face repo") from None
+        raise DFlashError(f"{what} {name}: no such folder or Hugging Face repo (a private or gated one needs "
+                          "`hf auth login`)") from None
     except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "connect" in reason.lower() or isinstance(e, LocalEntryNotFoundError):
@@ -78,9 +92,12 @@ def check_target_folder(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path} is not a model folder: it has no config.json")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        config = json.loads((path / "config.json").read_text())
+        model_type = config.get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise DFlashError(f"{path / 'config.json'} is not a valid model config ({e})") from None
+    if any("DFlash" in a for a in config.get("architectures") or []):
+        raise DFlashError(f"{path} holds a DFlash drafter, not a target model: give the model it drafts for as the target")
     check_model_type(model_type)
 
 
@@ -115,7 +132,7 @@ def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any
         draft, target, _ = registry_resolve(draft, target)
     drafter = load_drafter(resolve(draft, "drafter"))
     if target is None:
-        raise DFlashError(f"no target given for drafter {draft}: pass target=... (--target on the CLI)")
+        raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
     model, tokenizer = load_target(resolve(target, "target"))
     tgt = Target(model, drafter.target_layer_ids)
     check_pair(tgt, drafter)

@@ -25,9 +25,10 @@ class Pair:
     drafter: str
     target: str
     model_type: str
-    thinking: str  # "off", "on" or "none": the mode the drafter was trained for
-    block_size: int
+    thinking: str  # "off", "on", "none" (no such mode) or "unknown": the mode the drafter was trained for
     memory_gb: float
+    gated: bool = False  # the drafter repo needs its terms accepted on Hugging Face
+    notes: str = ""  # what could not be verified
     aliases: tuple[str, ...] = ()
 
     @property
@@ -63,6 +64,38 @@ def is_bundle(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def _bundle_list() -> Path:
+    return Path.home() / ".cache" / "dflash-mlx" / "bundles.json"
+
+
+def remember_bundle(path: Path) -> None:
+    """Note where ``convert`` wrote a bundle, so that ``models`` and ``doctor`` find it from anywhere.
+
+    A failure to note it (read-only home, a corrupt list) costs only that: the bundle is written.
+    """
+    from .files import write_atomic
+
+    listed = sorted({str(path.resolve()), *map(str, _remembered())})
+    try:
+        _bundle_list().parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(_bundle_list(), json.dumps(listed, indent=1))
+    except (OSError, DFlashError):
+        pass
+
+
+def _remembered() -> list[Path]:
+    try:
+        return [Path(p) for p in json.loads(_bundle_list().read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def known_bundles() -> list[Path]:
+    """Bundles that ``convert`` wrote and that still exist, plus any in the current folder."""
+    here = [p for p in Path.cwd().iterdir() if p.is_dir()] if Path.cwd().is_dir() else []
+    return sorted({p.resolve() for p in [*_remembered(), *here] if is_bundle(p)})
+
+
 def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str], Optional[Pair]]:
     """(drafter source, target source, registry pair) for what the user typed.
 
@@ -80,10 +113,11 @@ def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str
         if target is not None:
             return model, target, None
         hint = suggestions(model)
-        near = f"did you mean {', '.join(hint)}? " if hint else ""
+        near = f"; did you mean {' or '.join(hint)}?" if hint else ""
+        if "/" not in model or path.parent.is_dir():  # "qwen-drafter" or "models/qwen" with ./models: a folder
+            raise DFlashError(f"{model}: no such folder or registry name{near} (dflash-mlx models lists the names)")
         raise DFlashError(
-            f"unknown drafter {model!r}: {near}Pass --target TARGET for a drafter outside the registry "
-            "(dflash-mlx models lists it)"
+            f"{model} is not in the registry, so its target is unknown: add --target TARGET{near}"
         )
     if not pair.supported and target is None:
         raise DFlashError(

@@ -151,7 +151,7 @@ def split_prompts(prompts: Sequence[Prompt], eval_prompts: int, seed: int) -> tu
     if held >= len(prompts):
         raise DFlashError(
             f"{len(prompts)} prompts leave none to train on once {held} are held out for evaluation: "
-            "give more prompts or lower eval_prompts"
+            f"give more than {held} prompts (or, from Python, a lower eval_prompts)"
         )
     order = np.random.default_rng(seed).permutation(len(prompts))
     return [prompts[i] for i in order[held:]], [prompts[i] for i in order[:held]]
@@ -458,26 +458,48 @@ def _check_args(
         raise DFlashError("give either steps or time_budget, not both")
     if steps is None and time_budget is None:
         steps = 200
+    # Settings the CLI has flags for are named by their flags: most users meet these messages there.
     if steps is not None and steps < 1:
-        raise DFlashError(f"steps must be >= 1, got {steps}")
+        raise DFlashError(f"--steps must be >= 1, got {steps}")
     if time_budget is not None and not time_budget > 0:
-        raise DFlashError(f"time_budget must be a positive number of seconds, got {time_budget}")
+        raise DFlashError(f"--time must be a positive duration, got {time_budget:g} seconds")
     if layers < 1:
-        raise DFlashError(f"layers must be >= 1, got {layers}")
+        raise DFlashError(f"--layers must be >= 1, got {layers}")
     if block_size < 2:
-        raise DFlashError(f"block_size must be >= 2 (an anchor and at least one token to draft), got {block_size}")
+        raise DFlashError(f"--block-size must be >= 2 (an anchor and at least one token to draft), got {block_size}")
     if target_layer_ids is not None and not target_layer_ids:
-        raise DFlashError("target_layer_ids is empty: give at least one target layer")
-    for name, value in (("batch_size", batch_size), ("anchors", anchors), ("checkpoint_every", checkpoint_every)):
+        raise DFlashError("--target-layer-ids is empty: give at least one target layer")
+    for name, value in (("--batch-size", batch_size), ("anchors", anchors), ("checkpoint_every", checkpoint_every)):
         if value < 1:
             raise DFlashError(f"{name} must be >= 1, got {value}")
     if response_tokens < block_size:
-        raise DFlashError(f"response_tokens ({response_tokens}) must be at least block_size ({block_size})")
+        raise DFlashError(f"response_tokens ({response_tokens}) must be at least the block size ({block_size})")
     if eval_prompts < 0:
         raise DFlashError(f"eval_prompts must be >= 0, got {eval_prompts}")
     if not lr > 0:
-        raise DFlashError(f"lr must be positive, got {lr}")
+        raise DFlashError(f"--lr must be positive, got {lr}")
     return steps
+
+
+FLAGS = {"layers": "--layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
+         "batch_size": "--batch-size", "lr": "--lr"}
+
+
+def _setting(name: str, value: Any) -> str:
+    """A saved setting as the user gave it: a flag where the CLI has one, else the train() argument."""
+    if name == "prompts":
+        return "other --prompts"
+    if name == "target":
+        return "another target"
+    if name in FLAGS:
+        return f"{FLAGS[name]} {','.join(map(str, value)) if isinstance(value, list) else value}"
+    return f"{name}={value!r}"
+
+
+def saved_step(out: str) -> Optional[int]:
+    """The step of OUT's training checkpoint (None: there is none): what --resume would continue from."""
+    checkpoint = Path(out).expanduser() / CHECKPOINT
+    return read_checkpoint_state(checkpoint)["step"] if (checkpoint / "state.json").is_file() else None
 
 
 def train(
@@ -519,10 +541,10 @@ def train(
     checkpoint = out_dir / CHECKPOINT
     if (checkpoint / "state.json").is_file() and not resume:
         raise DFlashError(
-            f"{out_dir} already holds a training checkpoint: pass --resume (resume=True) to continue it, or choose another folder"
+            f"{out_dir} already holds a training checkpoint: add --resume to continue it, or choose another folder"
         )
     if resume and not (checkpoint / "state.json").is_file():
-        raise DFlashError(f"{out_dir} holds no training checkpoint to resume; run without resume")
+        raise DFlashError(f"{out_dir} holds no training checkpoint to resume; run without --resume")
     prompt_list = read_prompts(Path(prompts).expanduser()) if prompts is not None else list(BUILTIN_PROMPTS)
 
     model, tokenizer = load_target(resolve(target, "target"))
@@ -540,7 +562,7 @@ def train(
     if saved is not None:
         changed = [k for k in settings if saved["settings"].get(k) != settings[k]]
         if changed:
-            was = ", ".join(f"{k}={saved['settings'].get(k)!r}" for k in changed)
+            was = ", ".join(_setting(k, saved["settings"].get(k)) for k in changed)
             raise DFlashError(f"{out_dir} was trained with {was}: resume with the same settings")
 
     train_prompts, held_out = split_prompts(prompt_list, eval_prompts, seed)
@@ -548,8 +570,8 @@ def train(
     sequences = [(s["prompt"], s["response"]) for s in data["train"] if len(s["response"]) >= block_size]
     if not sequences:
         raise DFlashError(
-            f"every reply of the target is shorter than block_size ({block_size}): "
-            "raise response_tokens or lower block_size"
+            f"every reply of the target is shorter than the block size ({block_size}): "
+            "lower --block-size (or, from Python, raise response_tokens)"
         )
 
     if saved:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,16 @@ from helpers import plain_greedy
 
 MAX_TOKENS = 200
 PROMPTS = ["def fibonacci(n):\n    return", "The quick brown fox", "import json\nimport os\n\nclass"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory):
+    """Tests never write into the user's home (the list of converted bundles, chat history)."""
+    home, before = tmp_path_factory.mktemp("home"), os.environ.get("HOME")
+    os.environ["HOME"] = str(home)
+    yield home
+    if before is not None:
+        os.environ["HOME"] = before
 
 
 @pytest.fixture(scope="session")

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx.bench import degenerate, repetition
+from dflash_mlx import bench, loader
+from dflash_mlx.bench import builtin, degenerate, repetition, summarize
 from dflash_mlx.cli import app
 
 
-def _bench(models_dir, tmp_path, *extra):
+def _bench(models_dir, tmp_path, *extra, columns=200, exit_code=0):
     out = tmp_path / "bench.json"
     args = ["bench", str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "-m", "24",
             "--json", str(out), *map(str, extra)]
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
-    assert result.exit_code == 0, result.output
+    result = CliRunner(env={"COLUMNS": str(columns)}).invoke(app, args)
+    assert result.exit_code == exit_code and "Traceback" not in result.output, result.output
     return json.loads(out.read_text()), result
 
 
@@ -63,11 +65,79 @@ def test_jsonl_prompts_and_multi_turn(models_dir, tmp_path):
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["generated_tokens"]  # turn 2 carries turn 1
 
 
-def test_plot_is_a_png(models_dir, tmp_path):
+def test_plot_figure_and_force(models_dir, tmp_path):
     pytest.importorskip("matplotlib")
-    plot = tmp_path / "plot.png"
-    _bench(models_dir, tmp_path, "--prompt-tokens", "20,60", "--plot", plot)
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+    plot, report_file = tmp_path / "plot.png", tmp_path / "bench.json"
+    plot.write_text("old")
+    report_file.write_text("old")
+    report, _ = _bench(models_dir, tmp_path, "--prompt-tokens", "20,60", "--plot", plot, "--force")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000  # --force replaced both
+    assert not list(tmp_path.glob(".*.tmp*"))  # written atomically, nothing left behind
+
+    for r in report["records"]:  # whatever the tiny model did, draw every prompt
+        r["flagged"] = []
+    report["summary"] = summarize(report["records"])
+    fig = bench.figure(report)
+    speed, tau, hist = fig.axes
+    assert (speed.get_title(), tau.get_title(), hist.get_title()) == ("speedup", "tau", "acceptance")
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in speed.get_lines())  # the 1.0x reference
+    assert list(speed.get_lines()[0].get_ydata()) == [r["speedup"] for r in report["records"]]
+    assert list(tau.get_lines()[0].get_ydata()) == [r["tau"] for r in report["records"]]
+    title = fig.get_suptitle()
+    machine = report["machine"]
+    assert str(models_dir / "qwen3-dflash") in title and "window off" in title
+    assert machine["processor"] in title and "BLAS" in title
+    block = report["block_size"]
+    assert list(hist.get_xticks()) == list(range(block))  # every possible accepted count, integer bins
+    counts = report["summary"]["acceptance_histogram"]
+    assert [p.get_height() for p in hist.patches] == counts + [0] * (block - len(counts))
+
+    for r in report["records"]:
+        r["flagged"] = ["degenerate loop"]
+    fig = bench.figure(report)
+    assert not fig.axes and "flagged" in " ".join(t.get_text() for t in fig.texts)
+
+
+def test_default_prompts_mix_the_sets(models_dir, tmp_path):
+    assert [c.name.split("-")[0] for c in builtin()[:6]] == ["math", "code", "chat"] * 2
+    assert sorted(c.name for c in builtin()) == sorted(c.name for s in ("math", "code", "chat") for c in builtin(s))
+    report, _ = _bench(models_dir, tmp_path, "--num-prompts", "3", "-m", "8")
+    assert [r["prompt"] for r in report["records"]] == ["math-0", "code-0", "chat-0"]
+
+
+def test_table_loses_nothing_at_80_columns(models_dir, tmp_path, monkeypatch):
+    calls = iter(range(100))
+    monkeypatch.setattr(bench, "degenerate", lambda tokens: next(calls) == 1)  # flag the second prompt
+    report, result = _bench(models_dir, tmp_path, "--num-prompts", "3", columns=80)  # captured: not a TTY
+    records = report["records"]
+    assert [r["flagged"] for r in records] == [[], ["degenerate loop"], []]
+    lines = result.stdout.splitlines()
+    for r in records:
+        row = next(line.split() for line in lines if line.split()[:1] == [r["prompt"]])
+        cells = [str(r["prompt_tokens"]), f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}",
+                 f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}",
+                 f"{r['dflash']['peak_memory_gb']:.2f}"] + (["yes"] if r["flagged"] else [])
+        assert row[1:] == cells, row
+    assert "  code-0  " in result.stdout and "flagged: degenerate loop" in result.stdout
+    assert "…" not in result.stdout
+
+
+def test_ctrl_c_keeps_what_was_measured(models_dir, tmp_path, monkeypatch):
+    record, calls = bench._record, []
+
+    def interrupt_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_record", interrupt_third)
+    report, result = _bench(models_dir, tmp_path, "--dataset", "code", "--num-prompts", "5", "-m", "8", exit_code=130)
+    assert report["interrupted"] is True and (report["measured"], report["planned"]) == (2, 5)
+    assert [r["prompt"] for r in report["records"]] == ["code-0", "code-1"] and report["summary"]["prompts"] == 2
+    assert "  code-1  " in result.stdout and "code-2" not in result.stdout
+    lines = [l for l in result.stderr.splitlines() if l.strip() and not l.startswith("WARNING")]
+    assert lines[-1].startswith("interrupted: measured 2 of 5 prompts; written to"), result.stderr
 
 
 def _error(models_dir, *extra):
@@ -77,6 +147,23 @@ def _error(models_dir, *extra):
     lines = [l for l in result.stderr.splitlines() if l.strip() and not l.startswith("WARNING")]
     assert lines[-1].startswith("error:"), result.stderr
     return lines[-1]
+
+
+def test_outputs_are_checked_before_loading(models_dir, tmp_path, monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("loaded the model before checking the outputs")
+
+    monkeypatch.setattr(loader, "load", load)
+    assert "folder" in _error(models_dir, "--plot", tmp_path / "missing" / "p.png")
+    assert "does not exist" in _error(models_dir, "--json", tmp_path / "missing" / "b.json")
+    assert "is a folder" in _error(models_dir, "--json", tmp_path)
+    existing = tmp_path / "b.json"
+    existing.write_text("keep")
+    assert "already exists; pass --force" in _error(models_dir, "--json", existing)
+    assert existing.read_text() == "keep"
+    assert "name the same file" in _error(models_dir, "--json", tmp_path / "x", "--plot", tmp_path / "x")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    assert "--plot needs matplotlib" in _error(models_dir, "--plot", tmp_path / "p.png")
 
 
 def test_bad_input(models_dir, tmp_path):

@@ -9,6 +9,7 @@ Only the flag checks, which never reach the prompt, go through CliRunner.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -44,6 +45,8 @@ LONG_MESSAGE = (
     "python program that I would like you to write for me later today"
 )
 SHORT_MESSAGE = "thanks a lot"
+INTERRUPTED_STATS = re.compile(r"interrupted after (?P<tokens>\d+) tok \| " + STATS.pattern)
+UP = "\x1b[A"  # what the Up arrow key sends
 
 pytestmark = pytest.mark.skipif(not CLI.exists(), reason=f"console script {CLI} not installed")
 
@@ -62,13 +65,19 @@ def _default_sigint() -> None:
 
 
 class Chat:
-    """One ``dflash-mlx chat`` process on a pseudo-terminal, typed at the way a person would."""
+    """One ``dflash-mlx chat`` process on a pseudo-terminal, typed at the way a person would.
 
-    def __init__(self, models_dir: Path, cwd: Path, max_tokens: int = 40):
+    HOME is ``home`` (by default the chat's folder): the input history lands there, never in
+    the real home folder. ``log`` holds everything the chat printed.
+    """
+
+    def __init__(self, models_dir: Path, cwd: Path, max_tokens: int = 40, home: Optional[Path] = None):
         self.child = pexpect.spawn(
-            str(CLI), chat_args(models_dir, max_tokens), cwd=str(cwd), env=ENV, timeout=TIMEOUT,
-            encoding="utf-8", codec_errors="replace", dimensions=(50, 200), preexec_fn=_default_sigint,
+            str(CLI), chat_args(models_dir, max_tokens), cwd=str(cwd), env={**ENV, "HOME": str(home or cwd)},
+            timeout=TIMEOUT, encoding="utf-8", codec_errors="replace", dimensions=(50, 200), preexec_fn=_default_sigint,
         )
+        self.log = io.StringIO()
+        self.child.logfile_read = self.log
         self.child.expect_exact(PROMPT)  # the banner, then the first prompt
         self.banner = self.child.before
 
@@ -91,6 +100,20 @@ class Chat:
         self.child.expect_exact(PROMPT)
         return stats
 
+    def interrupt_prompt(self, then: object) -> None:
+        """Ctrl-C at the prompt, repeated until ``then`` (a pattern, or pexpect.EOF) shows that it was seen.
+
+        With readline, CPython's input() notices SIGINT only while it waits in select(): a
+        Ctrl-C sent the moment the prompt appears (a loaded machine may not have reached
+        select yet) stays pending until the next one. Pending SIGINTs raise a single
+        KeyboardInterrupt, so repeating is safe.
+        """
+        for _ in range(10):
+            self.child.sendintr()
+            if self.child.expect([then, pexpect.TIMEOUT], timeout=2) == 0:
+                return
+        raise AssertionError(f"Ctrl-C at the prompt was never seen: {self.log.getvalue()[-300:]!r}")
+
     def wait_exit(self) -> Optional[int]:
         """The exit status once the program has ended by itself (None if a signal killed it)."""
         self.child.expect(pexpect.EOF)
@@ -107,8 +130,8 @@ def spawn(models_dir, tmp_path):
     """Start chats (in tmp_path) for a test and make sure none outlives it, whatever the test's outcome."""
     chats: list[Chat] = []
 
-    def start(max_tokens: int = 40) -> Chat:
-        chats.append(Chat(models_dir, tmp_path, max_tokens))
+    def start(max_tokens: int = 40, home: Optional[Path] = None) -> Chat:
+        chats.append(Chat(models_dir, tmp_path, max_tokens, home))
         return chats[-1]
 
     yield start
@@ -204,7 +227,8 @@ def test_save_reset_load(spawn, tmp_path, tokenizer):
 
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path, tokenizer):
-    """Ctrl-C mid-reply stops it (keeping the words), the next message is answered, two Ctrl-C leave.
+    """Ctrl-C mid-reply stops it (keeping the words) with its stats marked interrupted, the next
+    message is answered, two Ctrl-C leave.
 
     1000 tokens take several seconds here, so the interrupt, sent as soon as the reply
     streams, lands mid-reply; the second reply must finish, which keeps this test short.
@@ -213,8 +237,11 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path, tokenizer):
     chat.type("Tell me a long story")
     chat.child.expect(r"[\s\S]")  # the reply has started streaming
     chat.child.sendintr()
-    chat.child.expect_exact("stopped")
+    chat.child.expect(INTERRUPTED_STATS)
+    assert int(chat.child.match["tokens"]) > 0 and int(chat.child.match["prefilled"]) > 0
+    interrupted = chat.child.match.group(0)
     chat.child.expect_exact(PROMPT)
+    assert chat.command("/stats") == interrupted
 
     stats = chat.say("and then")
     assert stats["prefilled"] > 0
@@ -226,21 +253,71 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path, tokenizer):
     new_turn = prompt_length(tokenizer, messages[:3]) - prompt_length(tokenizer, messages[:2], generation_prompt=False)
     assert stats["prefilled"] <= new_turn + 3, (stats, new_turn)
 
-    chat.child.sendintr()
-    chat.child.expect_exact("Ctrl-C again or /quit to leave")
+    chat.interrupt_prompt("Ctrl-C again or /quit to leave")
     chat.child.expect_exact(PROMPT)
-    chat.child.sendintr()
+    chat.interrupt_prompt(pexpect.EOF)
     assert chat.wait_exit() == 0
 
 
-def test_ctrl_d_leaves(spawn):
-    """End of input at the prompt (Ctrl-D) ends the chat normally."""
+@pytest.mark.parametrize("how", ["Ctrl-D", "/quit", "/exit", "Ctrl-C twice"])
+def test_leaving_ends_the_line(spawn, how):
+    """Every way out exits 0 and leaves the cursor on a fresh line, where the shell's prompt belongs."""
     chat = spawn()
-    chat.child.sendeof()
+    if how == "Ctrl-D":
+        chat.child.sendeof()
+    elif how == "Ctrl-C twice":
+        chat.interrupt_prompt("Ctrl-C again or /quit to leave")
+        chat.child.expect_exact(PROMPT)
+        chat.interrupt_prompt(pexpect.EOF)
+    else:
+        chat.type(how)
     assert chat.wait_exit() == 0
+    after_last_prompt = chat.log.getvalue().rpartition("> ")[2]
+    assert after_last_prompt.endswith("\r\n"), repr(after_last_prompt)
 
 
-# --- 4. commands --------------------------------------------------------------------------------
+# --- 4. line editing and history ------------------------------------------------------------------
+
+
+def _saved_messages(chat: Chat, folder: Path) -> list[str]:
+    chat.command("/save history-check.json")
+    return [m["content"] for m in json.loads((folder / "history-check.json").read_text())["messages"]]
+
+
+def test_up_arrow_recalls_lines_in_this_chat_and_the_next(spawn, tmp_path):
+    """Up + Enter sends the previous line again (no raw ^[[A), and a new chat recalls it from the history file."""
+    chat = spawn()
+    chat.say("hello there")
+    chat.child.send(UP + "\r")
+    chat.child.expect(STATS)  # a second reply
+    chat.child.expect_exact(PROMPT)
+    assert _saved_messages(chat, tmp_path)[::2] == ["hello there", "hello there"]
+    chat.type("/quit")
+    assert chat.wait_exit() == 0
+    assert "^[[A" not in chat.log.getvalue() and UP not in chat.log.getvalue()
+    history = tmp_path / ".cache" / "dflash-mlx" / "chat_history"
+    assert "hello there" in history.read_text()
+
+    again = spawn()
+    again.child.send(UP * 3 + "\r")  # back past "/quit" and "/save ..." (a line sent twice is kept once)
+    again.child.expect(STATS)
+    again.child.expect_exact(PROMPT)
+    assert _saved_messages(again, tmp_path)[::2] == ["hello there"]
+
+
+def test_unwritable_history_is_ignored(spawn, tmp_path):
+    """A history that cannot be read or written (here ~/.cache is a file) costs nothing but the history."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("not a folder")
+    chat = spawn(home=home)
+    chat.say("hello")
+    chat.type("/quit")
+    assert chat.wait_exit() == 0
+    assert "Traceback" not in chat.log.getvalue() and (home / ".cache").read_text() == "not a folder"
+
+
+# --- 5. commands --------------------------------------------------------------------------------
 
 
 def test_commands(spawn):
@@ -261,6 +338,31 @@ def test_commands(spawn):
     assert chat.wait_exit() == 0
 
 
+def test_load_says_what_is_wrong_with_a_file(spawn, tmp_path):
+    """Each kind of bad file gets one line naming the problem; the conversation is kept and the chat goes on."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "text.json").write_text("hello")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00\x81")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "shape.json").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "x"}]}))
+    (tmp_path / "system.json").write_text(json.dumps({"system": 3, "messages": []}))
+    problems = {
+        "missing.json": "no such file",
+        "folder": "it is a folder; give the file /save wrote",
+        "text.json": "not valid JSON (Expecting value at line 1, column 1)",
+        "binary.json": "not a text file; give the JSON file /save wrote",
+        "list.json": 'JSON, but not a conversation: expected an object with a "messages" list, as /save writes',
+        "shape.json": 'message 2 is not {"role": TEXT, "content": TEXT}',
+        "system.json": '"system" must be text or null',
+    }
+    chat = spawn()
+    chat.say("hello")
+    for name, problem in problems.items():
+        assert chat.command(f"/load {name}") == f"error: cannot load conversation {name}: {problem}"
+    assert chat.command("/save kept.json") == "saved to kept.json (2 messages)"
+    assert chat.say("and again")["prefilled"] > 0
+
+
 def test_brackets_in_commands_are_printed_verbatim(models_dir, tmp_path):
     """What the user typed is text, not markup: it is echoed as typed and never ends the chat."""
     (tmp_path / "a[/x]").mkdir(parents=True)  # the folder x inside a[
@@ -271,7 +373,7 @@ def test_brackets_in_commands_are_printed_verbatim(models_dir, tmp_path):
     assert "saved to a[/x]/c.json (2 messages)" in run.stdout
 
 
-# --- 5. piped stdin -----------------------------------------------------------------------------
+# --- 6. piped stdin -----------------------------------------------------------------------------
 
 
 def test_piped_stdin(models_dir, pairs):
@@ -290,7 +392,7 @@ def test_piped_stdin(models_dir, pairs):
     assert run.stdout == "".join(reply + "\n" for reply in replies)
 
 
-# --- 6. bad flags -------------------------------------------------------------------------------
+# --- 7. bad flags -------------------------------------------------------------------------------
 
 
 def _fails(args: list[str]) -> str:
@@ -326,9 +428,11 @@ def test_error_names_the_path_as_typed(models_dir, tmp_path, name):
     assert path in _fails([path, "-t", str(models_dir / "qwen3")])
 
 
-def test_unknown_drafter_needs_target():
+def test_unknown_name_or_repo():
     line = _fails(["Unknown-Model-XYZ"])
-    assert "unknown drafter" in line and "--target" in line
+    assert "no such folder or registry name" in line
+    line = _fails(["someone/Unknown-Model-XYZ"])
+    assert "not in the registry" in line and "--target" in line
 
 
 def test_target_without_chat_template_is_refused_in_one_line(models_dir, tmp_path):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import sys
+from importlib import resources
 
 import pytest
 from helpers import plain_greedy
@@ -44,14 +47,96 @@ def test_every_entry_is_complete_and_honest():
 
     for p in registry.pairs():
         assert p.drafter.startswith("z-lab/") and "/" in p.target
-        assert p.thinking in ("on", "off", "none") and p.block_size >= 1 and p.memory_gb > 0
+        assert p.thinking in ("on", "off", "none", "unknown") and p.memory_gb > 0
         assert p.supported == (p.model_type in SUPPORTED_MODEL_TYPES)
+        assert not p.gated or "gated" in p.notes
     assert not registry.find("Kimi-K2.5").supported
+    raw = json.loads(resources.files("dflash_mlx").joinpath("data/registry.json").read_text())["pairs"]
+    assert not any("block_size" in entry for entry in raw)  # the drafter's config.json is the one source
 
 
-def test_unknown_drafter_suggests_names_and_flag():
-    result = _run("generate", "Qwen3-9B-DFlash", "-p", "hi")
-    _one_error_line(result, "unknown drafter", "did you mean", "--target")
+def test_registry_matches_the_published_repos():
+    """What the model cards and configs say (issue 15): names, target architectures, gating, new entries."""
+    assert registry.find("z-lab/GLM-5.1-DFlash") is None
+    glm = registry.find("GLM-5.1")
+    assert glm.drafter == "z-lab/GLM-5.1-FP8-DFlash" and glm.gated
+    assert registry.find("MiniMax-M2.5").model_type == "minimax_m2" and registry.find("MiniMax-M2.5").gated
+    assert registry.find("MiniMax-M2.7").gated and registry.find("Kimi-K2.6").gated
+    assert registry.find("gemma-4-26B-A4B").target == "google/gemma-4-26B-A4B-it"
+    assert registry.find("Qwen3.5-4B").thinking == "on" and registry.find("Qwen3-8B").thinking == "off"
+
+
+def test_unknown_repo_asks_for_its_target():
+    result = _run("generate", "z-lab/Qwen3-9B-DFlash", "-p", "hi")
+    _one_error_line(result, "not in the registry", "--target TARGET")
+    assert "Pass" not in result.stderr
+
+
+def test_mistyped_name_or_folder_says_no_such_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    _one_error_line(_run("generate", "Qwen3-9B-DFlash", "-p", "hi"), "no such folder or registry name", "did you mean")
+    _one_error_line(_run("generate", "models/qwen3-dflsh", "-p", "hi"), "no such folder")
+    _one_error_line(_run("generate", "my-drafter", "-p", "hi"), "my-drafter: no such folder")
+
+
+def test_target_that_is_a_drafter(models_dir):
+    result = _run("generate", models_dir / "qwen3-dflash", "--target", models_dir / "llama-dflash", "-p", "hi")
+    _one_error_line(result, "holds a DFlash drafter, not a target model")
+
+
+def test_prompt_longer_than_the_model(models_dir):
+    """The fixture target takes 4096 positions."""
+    base = ["generate", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "--no-chat-template"]
+    _one_error_line(_run(*base, "-p", "a " * 5000, "-m", "4"), "at most 4096 positions")
+    result = _run(*base, "-p", "a " * 4090, "-m", "20", "--json")
+    assert result.exit_code == 0 and "runs past the model's 4096 positions" in result.stderr
+
+
+# -- downloads --------------------------------------------------------------------
+
+def _hub_error(cls):
+    import httpx2 as httpx
+
+    response = httpx.Response(403, request=httpx.Request("GET", "https://huggingface.co/x"))
+    return cls("Access to model z-lab/MiniMax-M2.5-DFlash is restricted", response=response)
+
+
+def test_gated_repo_says_accept_and_log_in(monkeypatch):
+    from huggingface_hub.errors import GatedRepoError
+
+    def refuse(*args, **kwargs):
+        raise _hub_error(GatedRepoError)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", refuse)
+    result = _run("generate", "MiniMax-M2.5", "--target", "MiniMaxAI/MiniMax-M2.5", "-p", "hi")
+    _one_error_line(result, "is gated", "https://huggingface.co/z-lab/MiniMax-M2.5-DFlash", "hf auth login")
+
+
+def test_downloads_fetch_only_what_loading_reads(monkeypatch, models_dir):
+    """The patterns passed to the Hub, applied to real repo layouts: no original/ or metal/ copies."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from dflash_mlx.loader import resolve
+
+    seen = {}
+
+    def snapshot(name, **kwargs):
+        seen.update(kwargs)
+        return str(models_dir / "qwen3")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot)
+    resolve("meta-llama/Llama-3.1-8B-Instruct", "target")
+    files = ["config.json", "generation_config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "original/consolidated.00.pth", "original/params.json", "original/tokenizer.model",
+             "original/model.safetensors", "metal/model.bin", "LICENSE", "README.md", "USE_POLICY.md"]
+    kept = set(filter_repo_objects(files, allow_patterns=seen["allow_patterns"], ignore_patterns=seen["ignore_patterns"]))
+    assert {"config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json", "chat_template.jinja"} <= kept
+    assert not any(f.startswith(("original/", "metal/")) for f in kept), kept
+    assert "model.safetensors" in set(filter_repo_objects(["model.safetensors", "draft.safetensors"], **{
+        k: seen[k] for k in ("allow_patterns", "ignore_patterns")}))
 
 
 def test_unsupported_architecture_in_registry():
@@ -123,6 +208,7 @@ def test_4bit_bundle_is_lossless_against_the_quantized_target(models_dir, tmp_pa
     result = _run("convert", models_dir / "llama-dflash", "--target", models_dir / "llama", "-o", out,
                   "--quantize", "4bit", "--q-group-size", "32", "--draft-quantize", draft_quantize)
     assert result.exit_code == 0, result.output
+    assert 4 < float(result.stdout.split("target at ")[1].split()[0]) < 8  # 4-bit codes + float32 scales, biases
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     target, drafter, tokenizer = load(str(out))
     assert hasattr(target.body.layers[0].self_attn.q_proj, "scales")  # really quantized
@@ -135,6 +221,29 @@ def test_4bit_bundle_is_lossless_against_the_quantized_target(models_dir, tmp_pa
 
 def _partials(parent):
     return [p.name for p in parent.iterdir() if p.name.endswith(".partial") or ".old" in p.name]
+
+
+def test_convert_into_new_folders_with_usual_permissions(models_dir, tmp_path, monkeypatch):
+    """Parents are created, the bundle is not private, the manifest finds its sources from anywhere, the
+    last line sums it up, and `models`/`doctor` list it from another folder."""
+    monkeypatch.chdir(models_dir)
+    old = os.umask(0o022)
+    try:
+        result = _run("convert", "qwen3-dflash", "--target", "qwen3", "-o", tmp_path / "a" / "b" / "bundle")
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    bundle = tmp_path / "a" / "b" / "bundle"
+    assert stat.S_IMODE(bundle.stat().st_mode) == 0o755
+    manifest = json.loads((bundle / "dflash.json").read_text())
+    assert manifest["drafter"] == str(models_dir / "qwen3-dflash") and manifest["target"] == str(models_dir / "qwen3")
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(str(bundle)) and "GB on disk" in last and "bits per weight" in last
+    bits = float(last.split("target at ")[1].split()[0])
+    assert 31.5 < bits < 33  # the fixture target is float32
+    monkeypatch.chdir(tmp_path)
+    assert bundle in registry.known_bundles()
+    assert str(bundle) in _run("doctor").stdout
 
 
 def test_existing_out_needs_force(models_dir, tmp_path):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,8 +14,11 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from typer.testing import CliRunner
 
+import dflash_mlx.train as training
 from dflash_mlx import DFlashError, fixtures, generate, load
+from dflash_mlx.cli import app
 from dflash_mlx.drafter import Blocks, Drafter, DrafterArgs, block_mask
 from dflash_mlx.train import (
     block_labels,
@@ -289,10 +296,10 @@ def _bad_target(root: Path, kind: str) -> str:
         ("bad-line", "line 2 is not valid JSON"),
         ("bad-row", 'line 1: expected {"prompt"'),
         ("layers", "layers must be >= 1"),
-        ("block", "block_size must be >= 2"),
+        ("block", "--block-size must be >= 2"),
         ("budgets", "either steps or time_budget"),
-        ("no-resume", "pass --resume"),
-        ("changed", "was trained with block_size=8"),
+        ("no-resume", "add --resume to continue it"),
+        ("changed", "was trained with --block-size 8: resume with the same settings"),
     ],
 )
 def test_bad_input_is_one_clear_error(case, message, workdir, trained):
@@ -325,10 +332,6 @@ def test_bad_input_is_one_clear_error(case, message, workdir, trained):
 
 def test_train_command(tmp_path, models_dir):
     """`dflash-mlx train` end to end: a loadable drafter, lossless generation, one-line errors."""
-    from typer.testing import CliRunner
-
-    from dflash_mlx.cli import app
-
     out = tmp_path / "drafter"
     args = ["train", str(models_dir / "qwen3"), "-o", str(out), "--steps", "6", "--block-size", "8", "--batch-size", "2"]
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
@@ -346,3 +349,74 @@ def test_train_command(tmp_path, models_dir):
     for bad, message in ((["--layers", "0"], "layers must be >= 1"), (["--time", "soon"], "--time takes a duration")):
         r = CliRunner().invoke(app, ["train", str(models_dir / "qwen3"), "-o", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and message in r.stderr, r.output
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+
+
+def _train_args(models_dir: Path, workdir: Path, out: Path, *budget: str) -> list[str]:
+    """`dflash-mlx train` on the tiny Qwen3 target with the test prompts (six to train on, four held out)."""
+    return ["train", str(models_dir / "qwen3"), "-o", str(out), "--prompts", str(workdir / "prompts.jsonl"),
+            "--block-size", "8", "--batch-size", "2", *budget]
+
+
+def test_progress_shows_the_step_and_the_time_left(tmp_path, models_dir, workdir):
+    """On an 80-column terminal the bar reads "step N/total" and an ETA; with --time, time spent and left.
+
+    A subprocess, because rich decides when its console is created whether to draw live
+    bars; the environment tells it that stderr is an interactive terminal.
+    """
+    terminal = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "TERM": "xterm", "COLUMNS": "80",
+                "NO_COLOR": "1"}
+
+    def shown(*args: str) -> str:
+        run = subprocess.run([sys.executable, "-c", "from dflash_mlx.cli import app; app()", *args], env=terminal,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+        return ANSI.sub("", run.stderr)
+
+    steps = shown(*_train_args(models_dir, workdir, tmp_path / "steps", "--steps", "6"))
+    assert re.search(r"train +step 6/6 .*ETA 0:00:00 +loss \d", steps), steps
+    assert re.search(r"generate +6/6 .*ETA", steps), steps
+    timed = shown(*_train_args(models_dir, workdir, tmp_path / "timed", "--time", "1s"))
+    assert re.search(r"train +step \d+ .*0:00:0\d elapsed, 0:00:0\d left +loss \d", timed), timed
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path, models_dir, workdir, monkeypatch):
+    """Ctrl-C exits 130 with one line: what was saved and where, and that --resume continues; --resume
+    then runs only the steps left. Before any step, it says nothing was saved."""
+    out = tmp_path / "drafter"
+    args = _train_args(models_dir, workdir, out, "--steps", "6")
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def lines(result) -> list[str]:
+        assert result.exit_code == 130 and isinstance(result.exception, SystemExit), result.output
+        assert "Traceback" not in result.output and result.stdout == ""
+        return [line for line in result.stderr.splitlines() if line.strip()]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "respond", ctrl_c)  # Ctrl-C while the target writes its replies
+        assert lines(CliRunner().invoke(app, args)) == ["interrupted before the first training step; nothing was saved"]
+
+    make_batch, batches = training.make_batch, []
+
+    def counting(ctrl_c_at: int = 0):
+        """make_batch, counting its calls (one per step); Ctrl-C arrives during step ``ctrl_c_at``."""
+        def batch(*args, **kwargs):
+            batches.append(1)
+            if len(batches) == ctrl_c_at:
+                raise KeyboardInterrupt
+            return make_batch(*args, **kwargs)
+        return batch
+
+    monkeypatch.setattr(training, "make_batch", counting(ctrl_c_at=4))
+    assert lines(CliRunner().invoke(app, args)) == [
+        f"interrupted: checkpoint of step 3 saved in {out / 'checkpoint'}; run the same command with --resume to continue"
+    ]
+    batches.clear()
+    monkeypatch.setattr(training, "make_batch", counting())
+    resumed = CliRunner().invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert len(batches) == 3 and f"{out}: 6 steps" in resumed.stdout
