@@ -292,16 +292,37 @@ class DFlashCache:
         """Hand the cache to a new generation over ``ids``: (how many leading ids it holds, the lease).
 
         A generation still in flight on this cache (a generator left suspended) is
-        abandoned first and loses its lease. A history that ``ids`` does not extend
-        starts over empty.
+        abandoned first and loses its lease. Of a history that ``ids`` does not
+        extend, the common beginning is kept where the caches can return to it.
         """
         self.abandon()
         self._owner = lease = object()
-        reused = len(self.tokens)
-        if not (0 < reused < len(ids) and ids[:reused] == self.tokens):
+        common = next((i for i, (a, b) in enumerate(zip(self.tokens, ids)) if a != b), min(len(self.tokens), len(ids)))
+        self._rewind(min(common, len(ids) - 1))  # at least the last prompt token runs: its logits start decoding
+        return len(self.tokens), lease
+
+    def _rewind(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the history, where every layer can go back that far; else start over.
+
+        Full-attention caches can; a window or a recurrent state only within the
+        last cycle. A client resending a conversation whose reply re-tokenizes
+        differently thus still reuses the part before it.
+        """
+        if n >= len(self.tokens):
+            return
+        held = len(self.tokens) - self.pending  # what the drafter's context caches hold
+        try:
+            trim_to(self.target, n)
+            if n < held:
+                trim_to(self.drafter, n)
+                self.context = None
+            elif self.context is not None:
+                self.context = self.context[:, : n - held] if n > held else None
+            del self.tokens[n:]
+        except (RuntimeError, ValueError):
             self.reset()
-            reused = 0
-        return reused, lease
+        if not self.tokens:
+            self.reset()
 
     def holds_lease(self, lease: object) -> bool:
         return self._owner is lease

@@ -1,0 +1,384 @@
+"""`dflash-mlx serve`: an OpenAI-compatible HTTP server over one loaded pair.
+
+One model: requests wait in arrival order and run one at a time on the main
+thread, where the model was loaded; the HTTP server (Starlette on uvicorn) runs in
+a thread of its own. A request's text travels to its async handler through an
+asyncio queue. A client that disconnects cancels its request at the next cycle:
+the engine closes the generator, which abandons the cycle in flight, so the
+caches stay valid and the next request reuses the prompt they hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+import mlx.core as mx
+
+from .caches import make_cache
+from .errors import DFlashError
+from .generate import GenerationResult, encode_prompt, stream_generate
+
+MAX_BODY_BYTES = 4 * 2**20
+# Parameters that would change the answer and that we do not implement: refused, never ignored.
+UNSUPPORTED = {
+    "logprobs": lambda v: bool(v), "top_logprobs": lambda v: v is not None, "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"), "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"), "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "response_format": lambda v: v not in (None, {"type": "text"}), "best_of": lambda v: v not in (None, 1),
+    "echo": lambda v: bool(v), "suffix": lambda v: v not in (None, ""), "n": lambda v: v not in (None, 1),
+}
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP status and the ``{"error": {...}}`` body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Completion:
+    """A validated request, tokenized."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def _number(body: dict, name: str, default: Any, kind: type, low: float, high: float) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise APIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+    if not low <= value <= high:
+        raise APIError(400, f"{name} must be between {low} and {high}, got {value}", name)
+    return kind(value)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(400, f"{where} must be a string or a list of text parts", where)
+
+
+def parse(body: Any, chat: bool, tokenizer: Any, max_positions: Optional[int]) -> Completion:
+    """Check a request body the way the OpenAI API does; tokenize its prompt."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    for name, refused in UNSUPPORTED.items():
+        if name in body and refused(body[name]):
+            raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", "messages")
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+                raise APIError(400, f"messages[{i}] needs a role of system, user or assistant", "messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            turns.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
+        if not getattr(tokenizer, "has_chat_template", False):
+            raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(0 <= t < tokenizer.vocab_size for t in prompt):
+                raise APIError(400, "prompt token ids must be inside the vocabulary", "prompt")
+        elif not isinstance(prompt, str) or not prompt:
+            raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+        ids = encode_prompt(tokenizer, prompt)
+    limit = max_positions or 2**31
+    if len(ids) >= limit:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this model takes at most {limit}", "messages"
+                       if chat else "prompt", "context_length_exceeded")
+    default = min(4096, limit - len(ids))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default, int, 1, limit - len(ids))
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise APIError(400, "seed must be an integer", "seed")
+    sampling = {
+        "temperature": _number(body, "temperature", 1.0, float, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, float, 0.0, 1.0),
+        "top_k": _number(body, "top_k", 0, int, 0, 2**31),
+        "min_p": _number(body, "min_p", 0.0, float, 0.0, 1.0),
+        "seed": seed,
+    }
+    if sampling["top_p"] == 0.0:
+        raise APIError(400, "top_p must be above 0", "top_p")
+    return Completion(ids, max_tokens, sampling, stop, stream, bool(options.get("include_usage")), chat)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of ``text`` could be the start of a stop string (not sent yet)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+@dataclass
+class Job:
+    """One request in the queue; the worker reports into ``events`` on the handler's loop."""
+
+    completion: Completion
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, kind: str, value: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the server is shutting down and its loop is closed
+            pass
+
+
+class Engine:
+    """The loaded pair, its caches across requests, and the loop that runs requests one at a time.
+
+    ``run`` is called on the main thread (the HTTP server runs in another): MLX work
+    stays on the thread that loaded the model, and Ctrl-C lands in the generation
+    it interrupts, which abandons its cycle as any interrupted generation does.
+    """
+
+    def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
+                 sinks: int = 0, block_size: Optional[int] = None):
+        self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
+        self.window, self.sinks, self.block_size = window, sinks, block_size
+        self.cache = make_cache(target, drafter, window, sinks, block_size)
+        self.max_positions = getattr(target.lm.args, "max_position_embeddings", None)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.cancelled = 0  # requests whose client left before they finished
+
+    def run(self, serving: Callable[[], bool]) -> None:
+        """Answer queued requests in order while ``serving()`` holds."""
+        while serving():
+            try:
+                job = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job.cancelled.is_set():
+                self.cancelled += 1
+                job.report("done", None)
+                continue
+            try:
+                self._run(job)
+            except DFlashError as e:
+                job.report("error", APIError(400, str(e)))
+            except KeyboardInterrupt:
+                job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
+                raise
+            except Exception as e:  # a bug must not take the server down with it
+                job.report("error", APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    def _run(self, job: Job) -> None:
+        c = job.completion
+        responses = stream_generate(
+            self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, block_size=self.block_size,
+            window=self.window, sinks=self.sinks, cache=self.cache, **c.sampling,
+        )
+        text, sent, reason, seen = "", 0, None, []
+        try:
+            for r in responses:
+                seen.append(r)
+                text += r.text
+                cut = min((i for i in (text.find(s) for s in c.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, reason = text[:cut], "stop"
+                end = len(text) if reason or r.finish_reason else len(text) - _held_back(text, c.stop)
+                if end > sent:
+                    job.report("text", text[sent:end])
+                    sent = end
+                reason = reason or r.finish_reason
+                if reason:
+                    break
+                if job.cancelled.is_set():
+                    self.cancelled += 1
+                    break
+        finally:
+            responses.close()  # leaves the caches holding the committed history
+        if not seen:
+            job.report("done", None)
+            return
+        run = GenerationResult.from_responses(seen)
+        usage = {
+            "prompt_tokens": run.prompt_tokens, "completion_tokens": len(run.tokens),
+            "total_tokens": run.prompt_tokens + len(run.tokens),
+            "prompt_tokens_details": {"cached_tokens": run.prompt_cached},
+            "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate},
+        }
+        job.report("done", {"finish_reason": "length" if reason == "length" else "stop", "usage": usage})
+
+
+def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MAX_BODY_BYTES) -> Any:
+    """The Starlette application over ``engine``."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def authorize(request: Request) -> None:
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key",
+                               kind="authentication_error")
+
+    async def read_json(request: Request) -> Any:
+        authorize(request)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            raise APIError(413, f"request body above {max_body} bytes", code="request_too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body:
+                raise APIError(413, f"request body above {max_body} bytes", code="request_too_large")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})") from None
+
+    async def completions(request: Request, chat: bool) -> Response:
+        try:
+            body = await read_json(request)
+            completion = parse(body, chat, engine.tokenizer, engine.max_positions)
+        except APIError as e:
+            return error(e)
+        job = Job(completion, asyncio.get_running_loop())
+        engine.jobs.put(job)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        head = {"id": ident, "created": created, "model": engine.name}
+        if completion.stream:
+            return StreamingResponse(_stream(job, head, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        pieces: list[str] = []
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        return Response(status_code=499)
+                    continue
+                if kind == "text":
+                    pieces.append(value)
+                elif kind == "error":
+                    return error(value)
+                else:
+                    break
+        finally:
+            job.cancelled.set()  # a no-op once done; stops the work if this handler was cancelled
+        text, reason, usage = "".join(pieces), value["finish_reason"], value["usage"]
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                   "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [choice], "usage": usage})
+
+    async def _stream(job: Job, head: dict[str, Any], chat: bool) -> AsyncIterator[str]:
+        kind_name = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: Optional[str], reason: Optional[str] = None, role: bool = False) -> str:
+            if chat:
+                d = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            body = {**head, "object": kind_name, "choices": [choice]}
+            if job.completion.include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    yield chunk(value)
+                elif kind == "error":
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                    break
+                else:
+                    if value is not None:
+                        yield chunk(None, value["finish_reason"])
+                        if job.completion.include_usage:
+                            yield f"data: {json.dumps({**head, 'object': kind_name, 'choices': [], 'usage': value['usage']})}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()  # the client left (or the stream ended): the worker stops at its next cycle
+
+    async def chat_completions(request: Request) -> Response:
+        return await completions(request, chat=True)
+
+    async def text_completions(request: Request) -> Response:
+        return await completions(request, chat=False)
+
+    async def models(request: Request) -> Response:
+        try:
+            authorize(request)
+        except APIError as e:
+            return error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": engine.name, "object": "model", "created": 0, "owned_by": "dflash-mlx"}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": engine.name, "waiting": engine.jobs.qsize(),
+                             "cancelled": engine.cancelled,
+                             "active_memory_bytes": mx.get_active_memory(),
+                             "cache_memory_bytes": mx.get_cache_memory(), "cached_tokens": len(engine.cache.tokens)})
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error(APIError(exc.status_code, exc.detail or "not found", code="not_found"))
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", text_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+    )

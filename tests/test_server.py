@@ -1,0 +1,229 @@
+"""`dflash-mlx serve` as a real server on a loopback port, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+from helpers import plain_greedy
+
+from dflash_mlx import generate
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-test"
+MESSAGES = [{"role": "user", "content": "def fibonacci(n):"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(models_dir, *extra) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(models_dir / "qwen3-dflash"),
+           "--target", str(models_dir / "qwen3"), "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stderr.read()}")
+        time.sleep(0.1)
+    pytest.fail("server did not start")
+
+
+def _ctrl_c(proc: subprocess.Popen, url: str) -> None:
+    proc.send_signal(2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err and "terminate" not in err, err
+    assert f"{url}/v1" in err and "stopped" in err
+
+
+@pytest.fixture(scope="module")
+def server(models_dir):
+    proc, url = _start(models_dir, "--api-key", KEY)
+    yield url
+    _ctrl_c(proc, url)
+
+
+def test_ctrl_c_during_a_reply_stops_cleanly(models_dir):
+    proc, url = _start(models_dir)
+    body = {"prompt": "hello", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # generating now
+        proc.send_signal(2)
+        rest = list(lines)  # the stream ends (with an error event) instead of hanging
+    assert any("shutting down" in line for line in rest) or not rest
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err and "stopped" in err, err
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _expected(pairs, messages, max_tokens):
+    """What `generate` gives for the same conversation (the chat template's prompt, EOS honoured)."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return generate(target, drafter, tokenizer, ids, max_tokens=max_tokens)
+
+
+def test_models_and_health(client, server):
+    [model] = client.models.list().data
+    assert model.id.endswith("qwen3-dflash") and model.owned_by == "dflash-mlx"
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_chat_completion_equals_generate(client, pairs):
+    ref = _expected(pairs, MESSAGES, 40)
+    out = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, temperature=0)
+    assert out.choices[0].message.content == ref.text
+    assert out.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert out.usage.completion_tokens == len(ref.tokens) and out.usage.prompt_tokens == ref.prompt_tokens
+    stream = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        out.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(ref.tokens) and not chunks[-1].choices
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt as the request before
+    assert {"tau", "acceptance_rate", "cycles"} <= set(chunks[-1].usage.model_extra["dflash"])
+
+
+def test_text_completion_and_length(client, pairs):
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode("The quick brown fox")
+    out = client.completions.create(model="any", prompt=ids, max_tokens=25, temperature=0)
+    ref = generate(target, drafter, tokenizer, ids, max_tokens=25)
+    assert ref.tokens == plain_greedy(target.model, ids, 25)[: len(ref.tokens)]
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == len(ref.tokens)
+    assert out.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+
+
+def test_stop_string_is_never_sent_and_the_next_turn_stays_lossless(client, pairs):
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode("import json\nimport os\n\nclass")
+    full = generate(target, drafter, tokenizer, ids, max_tokens=60).text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop and stop in full
+    for stream in (False, True):
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="any", prompt=ids, max_tokens=60, temperature=0, stop=[stop], stream=True))
+        else:
+            out = client.completions.create(model="any", prompt=ids, max_tokens=60, temperature=0, stop=stop)
+            text = out.choices[0].text
+            assert out.choices[0].finish_reason == "stop"
+        assert text == full[: full.index(stop)] and stop not in text
+    after = client.completions.create(model="any", prompt=ids, max_tokens=60, temperature=0)
+    assert after.choices[0].text == full  # the caches the stop left behind were valid
+
+
+def test_eight_concurrent_clients_get_their_own_answers(client, pairs):
+    prompts = [f"Question {i}: what comes after {i}?" for i in range(8)]
+    expected = {p: _expected(pairs, [{"role": "user", "content": p}], 24).text for p in prompts}
+    got: dict[str, str] = {}
+
+    def ask(p: str) -> None:
+        got[p] = client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}],
+                                                max_tokens=24, temperature=0).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == expected
+
+
+def test_a_dropped_stream_frees_the_server(server, client, pairs):
+    cancelled = httpx.get(f"{server}/health").json()["cancelled"]
+    body = {"model": "any", "messages": MESSAGES, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = 0
+        for line in r.iter_lines():
+            lines += line.startswith("data:")
+            if lines >= 3:
+                break  # the client goes away mid-stream
+    ref = _expected(pairs, MESSAGES, 30)
+    out = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=30, temperature=0)
+    assert out.choices[0].message.content == ref.text
+    assert httpx.get(f"{server}/health").json()["cancelled"] == cancelled + 1  # stopped early, not run to the end
+
+
+def test_multi_turn_reuses_the_cache(client):
+    turn1 = [{"role": "user", "content": "Tell me about the lazy dog."}]
+    reply = client.chat.completions.create(model="any", messages=turn1, max_tokens=20, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "And the fox?"}]
+    out = client.chat.completions.create(model="any", messages=turn2, max_tokens=20, temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens > len(turn1[0]["content"]) // 4
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (json.dumps({"model": "x", "messages": MESSAGES, "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "logprobs": True}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "tools": [{"type": "function"}]}).encode(), 400, "tools"),
+    (json.dumps({"model": "x", "messages": "hi"}).encode(), 400, "messages"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "max_tokens": -1}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "temperature": "hot"}).encode(), 400, "temperature"),
+    (b"[1, 2]", 400, None),
+    (b"x" * (5 * 2**20), 413, None),
+])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, body, status, param):
+    r = httpx.post(f"{server}/v1/chat/completions", content=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+    assert client.completions.create(model="any", prompt="hello", max_tokens=3, temperature=0).choices[0].text is not None
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_soak_memory_does_not_grow(server, client):
+    def active() -> int:
+        return httpx.get(f"{server}/health").json()["active_memory_bytes"]
+
+    for i in range(20):
+        client.completions.create(model="any", prompt=f"warm {i}", max_tokens=4, temperature=0)
+    before = active()
+    for i in range(200):
+        client.completions.create(model="any", prompt=f"request number {i}", max_tokens=4, temperature=0)
+    assert active() <= before * 1.1 + 2**20
+
+
+def test_port_in_use_and_bad_model_are_one_line_errors(server, models_dir):
+    port = server.rsplit(":", 1)[1]
+    base = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve"]
+    for args in ([str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--port", port],
+                 [str(models_dir / "nope"), "--port", port]):
+        done = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
