@@ -104,24 +104,26 @@ class Acceptance:
 
 @dataclass
 class CycleCosts:
-    """Seconds of a cycle drafting k tokens: t(k) = plain + [k > 0] * (drafter + k * per_token).
+    """Seconds of a cycle drafting k tokens: t(k) = plain * (1 + [k > 0] * (drafter + k * per_token)).
 
-    ``plain`` is a decaying mean of the plain steps. The drafting overhead
-    (``drafter``, ``per_token``) is fitted by least squares with exponential
-    forgetting (``decay`` per cycle) to what drafting cycles took beyond the plain
-    estimate. Plain and drafting cycles thus never move each other's parameters:
-    a run of drafting cycles cannot make plain decoding look dear, nor a run of
-    plain steps make drafting look cheap. A small pull towards the previous fit
-    keeps the direction that one repeated depth does not measure where it was.
-    Both follow the context as it grows. This runs every cycle, the plain step of
-    a small model included, so it is arithmetic on floats rather than array calls.
+    ``plain`` is a decaying mean of the plain steps. The drafting overhead, in
+    units of a plain step (``drafter``, ``per_token``), is fitted by least squares
+    with exponential forgetting (``decay`` per cycle) to what drafting cycles took
+    beyond the plain estimate, relative to it. Relative, because whatever slows the
+    machine down (another process, heat, a longer context) slows both kinds of
+    cycle: measured apart in seconds, the kind measured last would look dear.
+    Plain and drafting cycles thus never move each other's parameters: a run of
+    drafting cycles cannot make plain decoding look dear. A small pull towards the
+    previous fit keeps the direction that one repeated depth does not measure where
+    it was. This runs every cycle, the plain step of a small model included, so it
+    is arithmetic on floats rather than array calls.
     """
 
     max_depth: int = 15
     decay: float = 0.95
     pull: float = 0.05
     plain: Optional[float] = None
-    extra: Optional[tuple[float, float]] = None  # (drafter, per_token)
+    extra: Optional[tuple[float, float]] = None  # (drafter, per_token), in plain steps
     _plain_weight: float = 0.0
     _gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # sum w, sum w k, sum w k^2
     _moment: tuple[float, float] = (0.0, 0.0)  # sum w y, sum w k y
@@ -137,11 +139,11 @@ class CycleCosts:
             self.plain = seconds if self.plain is None else self.plain + (seconds - self.plain) / self._plain_weight
             early, self._early = self._early, []
             for depth, took in early:
-                self._fit(depth, took - self.plain)
+                self._fit(depth, took / self.plain - 1)
         elif self.plain is None:
             self._early.append((k, seconds))
         else:
-            self._fit(k, seconds - self.plain)
+            self._fit(k, seconds / self.plain - 1)
 
     def _fit(self, k: int, y: float) -> None:
         d = self.decay
@@ -175,13 +177,13 @@ class CycleCosts:
 
     @property
     def theta(self) -> Optional[list[float]]:
-        """(plain, drafter, per_token) seconds, once measured."""
-        return [self.plain, *self.extra] if self.ready else None
+        """(plain, drafter, per_token) in seconds at the current plain step, once measured."""
+        return [self.plain, self.plain * self.extra[0], self.plain * self.extra[1]] if self.ready else None
 
     def predict(self, k: int) -> float:
         """Predicted seconds of a cycle drafting k."""
         assert self.plain is not None and self.extra is not None
-        return max(self.plain + (self.extra[0] + self.extra[1] * k if k else 0.0), 1e-9)
+        return max(self.plain * (1 + (self.extra[0] + self.extra[1] * k if k else 0.0)), 1e-9)
 
     def predict_all(self) -> list[float]:
         """Predicted seconds of a cycle drafting k, for k = 0..max_depth."""
