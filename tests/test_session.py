@@ -82,3 +82,17 @@ def test_cache_settings_must_match(pairs):
     cache = make_cache(target, drafter, window=32, block_size=4)
     with pytest.raises(DFlashError, match="cache was made for"):
         generate(target, drafter, tokenizer, "hi", block_size=4, cache=cache)
+
+
+def test_diverging_history_keeps_the_common_beginning(pairs):
+    """A prompt that shares only a beginning with the cached history: full-attention caches go back to
+    it (no new prefill of that part) and the output is still plain greedy decoding."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    cache = make_cache(target, drafter, block_size=4)
+    first = tokenizer.encode(PROMPTS[0])
+    out = generate(target, drafter, tokenizer, first, max_tokens=20, block_size=4, eos_token_ids=[], cache=cache)
+    ids = first + out.tokens[:5] + tokenizer.encode(" and then")  # diverges after 5 of the reply's tokens
+    out2 = generate(target, drafter, tokenizer, ids, max_tokens=30, block_size=4, eos_token_ids=[], cache=cache)
+    cache.check()
+    assert out2.prompt_cached == len(first) + 5
+    assert out2.tokens == plain_greedy(target.model, ids, 30)
