@@ -197,18 +197,24 @@ class AdaptiveDepth:
     Until the cost model has seen plain, one-draft and longer cycles it runs a short
     warm-up (a full block, a plain step, one token). While plain decoding wins
     it drafts again now and then, so that a drafter whose acceptance recovers is
-    noticed: at the best drafting depth, spaced so that probes lose at most
+    noticed. A probe drafts one token, the cheapest question (does the target take
+    the drafter's first token?), and one accepted whole is followed at once by one
+    twice as deep (1, 2, 4, 8, ...): the cost of a long draft learnt at one context
+    length does not hold at another (a 16-token verify over an 8k window costs
+    several plain steps on a CPU, about one at a short context), so a probe must be
+    cheap whatever the estimates say. Probes are spaced so that they lose at most
     ``probe_budget`` of the decoding time against plain steps (at least
-    ``min_probe`` cycles apart, at most ``max_probe``). Where drafting is cheap or
+    ``min_probe`` cycles apart, at most ``max_probe``): where drafting is cheap or
     nearly pays that is every few tens of cycles; where it is dear (a CPU), every
-    few hundred. A new generation (a new prompt) probes at once: that is where
-    acceptance changes most. A probe accepted whole is followed by one twice as
-    deep. The acceptance seen before a run of plain steps fades by ``stale`` per
-    step, so a probe after a long run weighs more.
+    few hundred. A new generation (a new prompt), where acceptance changes most,
+    brings the next scheduled probe forward to half its interval (to the prompt's
+    first cycle if that much has passed): prompts that come faster than the
+    schedule (short replies at a long context) cost at most twice the budget. The acceptance seen before a run of
+    plain steps fades by ``stale`` per step, so a probe after a long run weighs more.
     """
 
     max_depth: int
-    probe_budget: float = 0.01
+    probe_budget: float = 0.005
     min_probe: int = 8
     max_probe: int = 1024
     stale: float = 0.995
@@ -258,13 +264,14 @@ class AdaptiveDepth:
         self._plain_run += 1
         if self._follow_up:  # the last probe was accepted whole: look further at once
             return self._follow_up
-        probe = 1 + self._argmax(rates[1:])
-        if self._new_prompt:  # off the schedule: a short generation must still reach its scheduled probe
+        interval = self.probe_interval(1)
+        if self._new_prompt and 2 * self._plain_run >= interval:  # the next scheduled probe, brought forward
             self._new_prompt = False
-            return probe
-        if self._plain_run >= self.probe_interval(probe):
             self._plain_run = 0
-            return probe
+            return 1
+        if self._plain_run >= interval:
+            self._plain_run = 0
+            return 1
         return 0
 
     def start(self) -> None:

@@ -90,6 +90,26 @@ def test_follows_a_change_of_acceptance_within_bounded_cycles():
     assert np.median(after_recovery[back + 20 :]) >= 12
 
 
+def test_a_long_context_does_not_pay_for_costs_learnt_at_a_short_one():
+    """Costs learnt at short contexts, where a verified token is nearly free, then prompts at a long
+    context, where each one costs half a plain step (attention over the window). The estimates still
+    hold the short context's per-token cost when each new prompt probes, so probes must be cheap
+    whatever the estimates say: the policy stays within 3% of plain decoding."""
+    policy = AdaptiveDepth(15)
+    run(policy, World(plain=0.02, drafter=0.03, per_token=0.0001, alpha=0.3), 400)
+    long = World(plain=0.03, drafter=0.04, per_token=0.015, alpha=0.3, seed=3)
+    assert long.best(15) == 0
+    tokens, seconds = 0, 0.0
+    for _ in range(8):  # prompts of 64 cycles each
+        policy.start()
+        for _ in range(64):
+            k = policy.draft_length(0)
+            accepted, took = long.cycle(k)
+            policy.observe(k, accepted, took)
+            tokens, seconds = tokens + accepted + 1, seconds + took
+    assert tokens / seconds >= 0.97 / long.plain, (tokens / seconds * long.plain)
+
+
 def test_acceptance_estimate_per_position():
     acc = Acceptance(4, decay=1.0)
     for accepted in (4, 4, 2, 0):
@@ -193,14 +213,18 @@ def test_generate_json_reports_depths(models_dir):
 
 
 def test_a_new_prompt_probes_at_once_and_a_whole_accept_looks_further():
-    """A server-like process: a prompt the drafter cannot follow, then one it follows well. The policy
-    probes at the new prompt's first cycle and, while probes are accepted whole, probes twice as deep
-    next, so long drafts return within a few cycles instead of after the next scheduled probes."""
+    """A server-like process: a prompt the drafter cannot follow, then one it follows well. Half a probe
+    interval after the last probe, the policy probes at the new prompt's first cycle and, while probes
+    are accepted whole, probes twice as deep next, so long drafts return within a few cycles instead of
+    after the next scheduled probes."""
     world = dict(plain=0.05, drafter=0.02, per_token=0.01)  # CPU-like: probes are dear, so they are rare
 
     def cycles_to_long_drafts(seed: int, new_prompt: bool) -> int:
         policy = AdaptiveDepth(15)
-        run(policy, World(**world, alpha=0.02, seed=seed), 300)
+        bad = World(**world, alpha=0.02, seed=seed)
+        chosen = run(policy, bad, 300)
+        while 2 * (len(chosen) - max(i for i, k in enumerate(chosen) if k)) < policy.probe_interval(1) + 2:
+            chosen += run(policy, bad, 1)  # until half an interval has passed since the last probe
         assert policy.probe_interval(1) > 40 and policy.draft_length(0) == 0
         if new_prompt:
             policy.start()
