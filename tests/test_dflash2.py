@@ -458,3 +458,211 @@ def test_convert_bundle_keeps_conv_and_selector_in_float(d2, models_dir, tmp_pat
     ids = tokenizer.encode(PROMPTS[0])
     out_tokens = generate(target, drafter, tokenizer, ids, max_tokens=60, block_size=BLOCK, eos_token_ids=[]).tokens
     assert out_tokens == plain_greedy(target.model, ids, 60)
+
+
+# -- the registry's DFlash2 entries --------------------------------------------------------------
+
+
+def test_registry_resolves_the_published_dflash2_drafters():
+    """Qwen3.8-27B resolves to a supported qwen3_5 pair under every name; Muse Glimmer is refused in one line."""
+    from dflash_mlx import registry
+
+    qwen = registry.find("z-lab/Qwen3.8-27B-DFlash2")
+    assert qwen is not None and qwen.model_type == "qwen3_5" and qwen.supported
+    for name in ("z-lab/Qwen3.8-27B-DFlash2", "incoai/Qwen3.8-27B-DFlash2", "Qwen3.8-27B-DFlash2", "qwen3.8-27b-dflash2"):
+        assert registry.resolve(name) == ("z-lab/Qwen3.8-27B-DFlash2", "Qwen/Qwen3.8-27B", qwen), name
+    assert "DFlash2" in qwen.notes and "block 8" in qwen.notes
+    muse = registry.find("incoai/Muse-Glimmer-30B-DFlash2")
+    assert muse is not None and muse.drafter == "z-lab/Muse-Glimmer-30B-DFlash2" and not muse.supported
+    for name in ("z-lab/Muse-Glimmer-30B-DFlash2", "incoai/Muse-Glimmer-30B-DFlash2", "Muse-Glimmer-30B-DFlash2"):
+        with pytest.raises(DFlashError, match="muse_glimmer") as err:
+            registry.resolve(name)
+        assert "\n" not in str(err.value) and "does not run yet" in str(err.value), str(err.value)
+    names = [n for p in registry.pairs() for n in {n.lower() for n in p.names}]
+    assert len(names) == len(set(names)), "a name denotes two registry entries"
+
+
+def test_models_lists_the_dflash2_drafters_at_80_columns():
+    from typer.testing import CliRunner
+
+    from dflash_mlx import registry
+    from dflash_mlx.cli import app
+
+    rows = {r["drafter"]: r for r in json.loads(CliRunner().invoke(app, ["models", "--json"]).stdout)}
+    assert rows["z-lab/Qwen3.8-27B-DFlash2"]["supported"] and not rows["z-lab/Muse-Glimmer-30B-DFlash2"]["supported"]
+    table = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["models"])
+    assert table.exit_code == 0 and "…" not in table.stdout
+    lines = table.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    # Cells fold over several lines at 80 columns: put each row's pieces back together, in registry order.
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+
+    def squeezed(text: str) -> str:
+        return "".join(text.split())
+
+    rows, i = {}, 0
+    for p in registry.pairs():
+        row = [""] * 6
+        name = squeezed(p.drafter.removeprefix("z-lab/") + (" (gated)" if p.gated else ""))
+        while squeezed(row[0]) != name or (i < len(cells) and not cells[i][0]):  # a row ends before the next name
+            row, i = [a + b for a, b in zip(row, cells[i])], i + 1
+        rows[p.drafter] = [squeezed(c) for c in row]
+    assert i == len(cells)
+    assert rows["z-lab/Qwen3.8-27B-DFlash2"] == ["Qwen3.8-27B-DFlash2", "Qwen/Qwen3.8-27B", "yes", "unknown", "58", ""]
+    assert rows["z-lab/Muse-Glimmer-30B-DFlash2"] == [
+        "Muse-Glimmer-30B-DFlash2", "meta-models/Muse-Glimmer-30B", "notyet(muse_glimmer)", "unknown", "66", ""]
+
+
+# -- everywhere the v1 drafter goes: chat, bench, serve, doctor --selftest ------------------------
+
+
+@pytest.fixture(scope="module")
+def d2_dir(d2, models_dir, tmp_path_factory):
+    """``models_dir``'s layout with the Qwen3 DFlash2 drafter as "qwen3-dflash": the v1 tests' helpers drive it."""
+    root = tmp_path_factory.mktemp("d2-models")
+    (root / "qwen3").symlink_to(models_dir / "qwen3", target_is_directory=True)
+    (root / "qwen3-dflash").symlink_to(d2["root"] / "qwen3-d2", target_is_directory=True)
+    return root
+
+
+@pytest.fixture
+def count_proposals(monkeypatch):
+    """How many blocks the DFlash2 selector proposed in this process (0: the drafter never drafted)."""
+    calls = []
+    propose = DFlash2Drafter.propose
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlash2Drafter, "propose", counted)
+    return calls
+
+
+def _text(tokenizer, tokens: list[int]) -> str:
+    """The text ``generate`` streams for ``tokens``."""
+    detokenizer = tokenizer.detokenizer
+    for t in tokens:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def test_chat_with_a_dflash2_drafter_equals_plain_greedy(d2, d2_dir, tmp_path):
+    """Two piped turns through the installed ``dflash-mlx chat``, full blocks every cycle: each reply is the
+    target's greedy reply to the conversation so far (turn 2 after turn 1's own tokens)."""
+    import subprocess
+
+    pytest.importorskip("pexpect")
+    from test_chat import CLI, ENV, TIMEOUT, chat_args
+
+    if not CLI.exists():
+        pytest.skip(f"console script {CLI} not installed")
+    run = subprocess.run([str(CLI), *chat_args(d2_dir), "--block-size", str(BLOCK)], input="hello\nhow are you\n",
+                         capture_output=True, text=True, encoding="utf-8", env=ENV, timeout=TIMEOUT, cwd=tmp_path)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    target, _, tokenizer = d2["qwen3"]
+    eos = tokenizer.eos_token_ids
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    first = plain_greedy(target.model, ids, 40, eos)
+    turn = "<|im_end|>\n<|im_start|>user\nhow are you<|im_end|>\n<|im_start|>assistant\n"  # the ChatML template
+    second = plain_greedy(target.model, ids + first + tokenizer.encode(turn, add_special_tokens=False), 40, eos)
+    assert first and second
+    assert run.stdout == _text(tokenizer, first) + "\n" + _text(tokenizer, second) + "\n"
+
+
+@pytest.mark.parametrize("block", [None, BLOCK])
+def test_bench_with_a_dflash2_drafter(d2, d2_dir, tmp_path, count_proposals, block):
+    """`bench` runs the DFlash2 pair: exit 0, tau and depth histograms, dflash tokens equal plain greedy's."""
+    from test_bench_cli import _bench
+
+    from dflash_mlx import bench
+
+    extra = [] if block is None else ["--block-size", block]
+    report, result = _bench(d2_dir, tmp_path, "--num-prompts", "2", *extra)
+    assert report["block_size"] == BLOCK  # read from dflash_config when not given
+    assert report["policy"] == ("adaptive" if block is None else "fixed")
+    target, _, tokenizer = d2["qwen3"]
+    for r, conv in zip(report["records"], bench.builtin("all")):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": conv.turns[0]}], add_generation_prompt=True)
+        assert r["dflash"]["tokens"] == plain_greedy(target.model, ids, 24) == r["plain"]["tokens"]
+        assert r["identical"] is True
+        hist, depths = r["acceptance_histogram"], r["depth_histogram"]
+        assert r["tau"] == pytest.approx(sum((k + 1) * c for k, c in enumerate(hist)) / sum(hist))
+        assert sum(depths) == sum(hist) == r["dflash"]["cycles"] and len(depths) <= BLOCK
+        if block is not None:  # full blocks, but for the last cycles, which the token budget cuts short
+            assert depths[BLOCK - 1] >= r["dflash"]["cycles"] - (BLOCK - 1)
+    assert "tau median" in result.stdout
+    if block is not None:
+        assert count_proposals
+
+
+def test_serve_with_a_dflash2_drafter_equals_generate(d2, d2_dir):
+    """One /v1/completions request at temperature 0 to `serve` with a DFlash2 drafter (full blocks)."""
+    pytest.importorskip("openai")
+    import httpx2 as httpx
+    from test_server import _ctrl_c, _start
+
+    target, drafter, tokenizer = d2["qwen3"]
+    ids = tokenizer.encode(PROMPTS[2])
+    ref = generate(target, drafter, tokenizer, ids, max_tokens=30, block_size=BLOCK)
+    assert ref.tokens == plain_greedy(target.model, ids, 30, tokenizer.eos_token_ids)
+    proc, url = _start(d2_dir, "--block-size", str(BLOCK))
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 30, "temperature": 0}, timeout=120)
+    finally:
+        _ctrl_c(proc, url)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["text"] == ref.text and out["usage"]["completion_tokens"] == len(ref.tokens)
+    assert out["usage"]["dflash"]["cycles"] == ref.cycles
+
+
+def test_selftest_with_a_dflash2_drafter(d2_dir, tmp_path, monkeypatch, count_proposals):
+    """`doctor --selftest` on the DFlash2 pair, drafting full blocks every cycle: identical, exit 0."""
+    import importlib
+
+    from test_selftest import _doctor, _prompt_lines
+
+    from dflash_mlx.policy import FixedBlock
+
+    module = importlib.import_module("dflash_mlx.generate")  # the package's `generate` is the function
+    monkeypatch.setattr(module, "adaptive_policy", lambda target, drafter, window, block: FixedBlock(block))
+    monkeypatch.chdir(tmp_path)
+    result = _doctor(d2_dir, "qwen3")
+    assert result.exit_code == 0, result.output
+    lines = _prompt_lines(result.stdout)
+    assert sorted(lines) == ["chat-0", "code-0", "math-0"]
+    assert all(line.endswith("identical") for line in lines.values()), lines
+    assert len(count_proposals) >= 3 * 4  # 23 tokens after the first, at most 5 a cycle, per prompt
+
+
+# -- the walk is one lazy graph --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_proposal_is_one_lazy_graph(d2, temperature):
+    """No read-back to the host per position: the whole proposal (drafter pass and selector walk) traces
+    under mx.compile, which refuses any evaluation (.item(), .tolist(), a Python branch on a value) inside,
+    and the traced graph gives the eager drafts and q."""
+    drafter = d2["qwen3"][1]
+    (target, last, feats), *_ = _case(d2["qwen3"], BLOCK - 1)
+    sampling = Sampling(temperature=temperature)
+
+    def propose(feats, key):
+        proposal = drafter.propose(target, last, feats, drafter.make_cache(block_size=BLOCK), BLOCK - 1, sampling, key)
+        return proposal.tokens if proposal.logprobs is None else (proposal.tokens, proposal.logprobs)
+
+    key = mx.random.key(4)
+    eager, traced = propose(feats, key), mx.compile(propose)(feats, key)
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (eager, traced))):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    selector = drafter.candidate_selector
+
+    def host_read(h, logits, anchor, temperature, key):  # what the test must catch: a walk reading each pick
+        proposal = selector(h, logits, anchor, temperature, key)
+        return mx.array([int(t) for t in proposal.tokens.tolist()])
+
+    h = drafter.draft_hidden(target, last, feats, drafter.make_cache(block_size=BLOCK), BLOCK - 1)
+    with pytest.raises(ValueError, match="eval"):
+        mx.compile(lambda h, logits, key: host_read(h, logits, last, temperature, key))(h, target.lm_head(h), key)

@@ -39,7 +39,8 @@ def peaked(tmp_path_factory):
     seconds = [t[1] for t in _plain_samples(target.model, ids, make_sampler(temp=1.0), 200)]
     common = collections.Counter(seconds).most_common(1)[0][0]
     fixtures.write_constant_drafter(root / "biased", draft_config, root / "target", common)
-    return {name: load(str(root / name), str(root / "target")) for name in ("random", "biased")}, ids
+    fixtures.write_dflash2_drafter(root / "dflash2", fixtures.dflash2_config(config, target_layer_ids=[1]))
+    return {name: load(str(root / name), str(root / "target")) for name in ("random", "biased", "dflash2")}, ids
 
 
 def _plain_samples(model, ids, sampler, n):
@@ -77,8 +78,9 @@ T1, TOP_P = dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)
 
 @pytest.mark.parametrize(
     "drafter_name,settings,block_size",
-    [("random", T1, 4), ("biased", T1, 4), ("random", TOP_P, 4), ("biased", TOP_P, 4), ("biased", T1, None)],
-    ids=["t1-random", "t1-biased", "top_p0.9-random", "top_p0.9-biased", "t1-biased-adaptive"],
+    [("random", T1, 4), ("biased", T1, 4), ("random", TOP_P, 4), ("biased", TOP_P, 4), ("biased", T1, None),
+     ("dflash2", TOP_P, 4)],
+    ids=["t1-random", "t1-biased", "top_p0.9-random", "top_p0.9-biased", "t1-biased-adaptive", "top_p0.9-dflash2"],
 )
 def test_output_distribution_equals_plain_sampling(peaked, drafter_name, settings, block_size):
     pairs, ids = peaked
