@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 from rich.console import Console
 from rich.markup import escape
 
+from . import distributed
 from .caches import make_cache
 from .errors import DFlashError
 from .files import write_atomic
@@ -240,6 +241,8 @@ def run_command(session: ChatSession, line: str, out: Console) -> bool:
     elif command in ("/save", "/load"):
         if not arg:
             out.print(f"[red]usage: {command} FILE[/]")
+            return True
+        if command == "/save" and not distributed.is_main():  # one file, from rank 0
             return True
         try:
             session.save(arg) if command == "/save" else session.load(arg)

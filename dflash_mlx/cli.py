@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -14,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from . import __version__
+from . import __version__, distributed
 from .errors import DFlashError
 from .files import write_atomic
 
@@ -28,7 +30,9 @@ err = Console(stderr=True, highlight=False)
 
 
 def fail(message: str) -> None:
-    """One clear line on stderr, exit status 2."""
+    """One clear line on stderr, exit status 2 (from every rank of a group: it may be this rank's alone)."""
+    if err.quiet:
+        sys.stderr.write(f"rank {distributed.rank()}: error: {message}\n")
     err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(2)
 
@@ -81,7 +85,15 @@ def _version(value: bool) -> None:
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
-    pass
+    """Under ``mlx.launch`` every rank runs the command; only rank 0 speaks (errors aside)."""
+    try:
+        quiet = not distributed.is_main()
+    except DFlashError as e:
+        fail(str(e))
+    if quiet:
+        err.quiet = True
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
 
 
 TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
@@ -166,7 +178,8 @@ def generate(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify,
         )
     if as_json:
-        typer.echo(json.dumps(result.to_dict()))
+        peaks = distributed.gather(result.peak_memory)  # every rank's: the reason to shard is memory
+        typer.echo(json.dumps(result.to_dict() | {"group_size": len(peaks), "rank_peak_memory_gb": peaks}))
         return
     sys.stdout.write("\n")
     err.print(
@@ -286,6 +299,11 @@ def doctor(
         else:
             out.print(f"BLAS          {blas}")
     out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
+    group = distributed.describe()
+    if group is not None:
+        hosts = ", ".join(f"{r}={h}" for r, h in enumerate(group["hosts"])) or "not named by the launcher"
+        out.print(f"group         {group['size']} ranks over {group['backend']} (rank hosts: {hosts}); "
+                  f"sharded targets: {', '.join(distributed.SHARDED_MODEL_TYPES)}")
     out.print(f"HF cache      {constants.HF_HUB_CACHE}")
     from .registry import known_bundles
 
@@ -447,7 +465,8 @@ def bench(
     _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
         raise DFlashError("--repeats and --num-prompts must be >= 1")
-    b.check_outputs({"--json": json_out, "--plot": plot_out}, force)
+    if distributed.is_main():  # the only rank that writes
+        b.check_outputs({"--json": json_out, "--plot": plot_out}, force)
     if plot_out:
         b.require_matplotlib()
     lengths = None
@@ -531,9 +550,12 @@ def bench(
               "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
               "interrupted": interrupted, "measured": len(records), "planned": planned,
               "machine": machine_description(), "summary": summary, "records": records}
-    if json_out:
+    peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)
+    report["group"] = distributed.describe()
+    report["rank_peak_memory_gb"] = [peak] if interrupted else distributed.gather(peak)  # ranks stop apart on Ctrl-C
+    if json_out and distributed.is_main():
         write_atomic(json_out, json.dumps(report, indent=1))
-    if plot_out:
+    if plot_out and distributed.is_main():
         b.plot(report, plot_out)
     if interrupted:
         kept = " and ".join(p for p in (json_out, plot_out) if p)
@@ -677,6 +699,9 @@ def serve(
     if window is not None or block_size is not None:
         _check_options(block_size or drafter.block_size, 1, window, sinks)
     engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size)
+    if not distributed.is_main():  # rank 0 listens and hands each request over
+        engine.follow()
+        return
     server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key), host=host, port=port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="dflash-mlx http", daemon=True)

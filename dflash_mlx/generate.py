@@ -15,6 +15,7 @@ caller leaves while a cycle is in flight, ``cache.abandon`` undoes it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
@@ -23,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
 from .caches import DFlashCache, check_window, make_cache
+from .distributed import shared_seed
 from .drafter import Drafter
 from .errors import DFlashError
 from .policy import DraftPolicy, FixedBlock, adaptive_policy
@@ -383,6 +385,8 @@ def stream_generate(
     if policy is None:  # a seeded sampled run drafts full blocks: adaptive depths would change its draw
         reproducible = seed is not None and not sampling.greedy
         policy = FixedBlock(block_size) if pinned or reproducible else adaptive_policy(target, drafter, window, block_size)
+    if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
+        sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
     detokenizer = tokenizer.detokenizer
     decoder = _decode(

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+from . import distributed
 from .drafter import Drafter, load_drafter
 from .errors import DFlashError
 from .registry import is_bundle
@@ -87,8 +88,8 @@ def check_pair(target: Target, drafter: Drafter) -> None:
         raise DFlashError(f"drafter mask_token_id {args.mask_token_id} is outside the vocabulary")
 
 
-def check_target_folder(path: Path) -> None:
-    """A readable config.json of a supported architecture, or a one-line error."""
+def check_target_folder(path: Path, ranks: int = 1) -> None:
+    """A readable config.json of a supported architecture (that shards over ``ranks``), or a one-line error."""
     if not (path / "config.json").is_file():
         raise DFlashError(f"{path} is not a model folder: it has no config.json")
     try:
@@ -99,15 +100,22 @@ def check_target_folder(path: Path) -> None:
     if any("DFlash" in a for a in config.get("architectures") or []):
         raise DFlashError(f"{path} holds a DFlash drafter, not a target model: give the model it drafts for as the target")
     check_model_type(model_type)
+    if ranks > 1:
+        distributed.check_shardable(config, ranks)
 
 
-def load_target(path: Path) -> tuple[Any, Any]:
-    """The mlx-lm model and tokenizer in ``path``, or a one-line error naming the problem."""
+def load_target(path: Path, group: Optional[mx.distributed.Group] = None) -> tuple[Any, Any]:
+    """The mlx-lm model and tokenizer in ``path``, or a one-line error naming the problem.
+
+    With a ``group``, mlx-lm's sharded load: the weights are read lazily and
+    sharded before they are evaluated, so each rank holds only its share.
+    """
     from mlx_lm.utils import load as mlx_lm_load
+    from mlx_lm.utils import sharded_load
 
-    check_target_folder(path)  # before reading gigabytes of weights
+    check_target_folder(path, 1 if group is None else group.size())  # before reading gigabytes of weights
     try:
-        return mlx_lm_load(str(path))
+        return mlx_lm_load(str(path)) if group is None else sharded_load(str(path), tensor_group=group)
     except DFlashError:
         raise
     except Exception as e:  # mlx-lm reports bad folders with many exception types
@@ -133,8 +141,9 @@ def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any
     drafter = load_drafter(resolve(draft, "drafter"))
     if target is None:
         raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
-    model, tokenizer = load_target(resolve(target, "target"))
-    tgt = Target(model, drafter.target_layer_ids)
+    group = distributed.group()
+    model, tokenizer = load_target(resolve(target, "target"), group)
+    tgt = Target(model, drafter.target_layer_ids, group)
     check_pair(tgt, drafter)
     dtype = tgt.dtype
     drafter.update(cast_floats(drafter.parameters(), dtype))

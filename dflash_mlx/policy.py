@@ -13,11 +13,14 @@ as a function of its depth, both measured from the cycles as they run.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
+
+from .distributed import from_main
 
 
 class DraftPolicy(Protocol):
@@ -209,20 +212,31 @@ class AdaptiveDepth:
     few hundred. A new generation (a new prompt), where acceptance changes most,
     brings the next scheduled probe forward to half its interval (to the prompt's
     first cycle if that much has passed): prompts that come faster than the
-    schedule (short replies at a long context) cost at most twice the budget. The acceptance seen before a run of
-    plain steps fades by ``stale`` per step, so a probe after a long run weighs more.
+    schedule (short replies at a long context) cost at most twice the budget. The
+    acceptance seen before a run of plain steps fades by ``stale`` per step, so a
+    probe after a long run weighs more.
+
+    Decisions read the cost model through ``seconds``, its predictions, refreshed
+    after every cycle. The ranks of a sharded target (``distributed``) see the same
+    tokens but time their cycles apart, and must all draft the same depth: there
+    ``agree`` gives every rank rank 0's (plain, drafter, per-token) seconds, which
+    replace the predictions every ``agree_every`` cycles and nowhere else.
     """
 
     max_depth: int
-    probe_budget: float = 0.005
+    probe_budget: float = 0.01
     min_probe: int = 8
     max_probe: int = 1024
     stale: float = 0.995
+    agree: Optional[Callable[[list[float]], list[float]]] = None
+    agree_every: int = 32
     acceptance: Acceptance = field(init=False)
     costs: CycleCosts = field(init=False)
+    seconds: Optional[list[float]] = None  # predicted seconds of a cycle drafting k = 0..max_depth
     _plain_run: int = 0
     _new_prompt: bool = False
     _follow_up: int = 0
+    _since_agreed: int = 0
 
     def __post_init__(self) -> None:
         self.acceptance = Acceptance(self.max_depth)
@@ -230,7 +244,21 @@ class AdaptiveDepth:
 
     def _rates(self) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
-        return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.costs.predict_all())]
+        assert self.seconds is not None
+        return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.seconds)]
+
+    def _refresh(self) -> None:
+        """The predictions the next decisions use (every rank's the same, with ``agree``)."""
+        if not self.costs.ready:
+            return
+        if self.agree is None:
+            self.seconds = self.costs.predict_all()
+            return
+        self._since_agreed += 1
+        if self.seconds is None or self._since_agreed >= self.agree_every:
+            plain, drafter, per_token = self.agree(self.costs.theta)
+            self.seconds = [plain] + [max(plain + drafter + k * per_token, 1e-9) for k in range(1, self.max_depth + 1)]
+            self._since_agreed = 0
 
     @staticmethod
     def _argmax(values: list[float]) -> int:
@@ -238,7 +266,7 @@ class AdaptiveDepth:
 
     def best(self) -> int:
         """The depth with the most expected tokens per second under the current estimates."""
-        return self._argmax(self._rates()) if self.costs.ready else self.max_depth
+        return self._argmax(self._rates()) if self.seconds is not None else self.max_depth
 
     def probe_interval(self, depth: int) -> int:
         """Plain cycles between probes at ``depth``, so that probing loses ``probe_budget`` of the time.
@@ -247,14 +275,15 @@ class AdaptiveDepth:
         expected tokens. Where drafting is nearly as good as plain decoding that is
         little, and probes come often: the decision is close and worth checking.
         """
-        plain = self.costs.predict(0)
-        loss = self.costs.predict(depth) - self.acceptance.expected_tokens()[depth] * plain
+        assert self.seconds is not None
+        plain = self.seconds[0]
+        loss = self.seconds[depth] - self.acceptance.expected_tokens()[depth] * plain
         return int(min(max(loss / (self.probe_budget * plain), self.min_probe), self.max_probe))
 
     def draft_length(self, context_tokens: int) -> int:
         if self.max_depth == 0:
             return 0
-        if not self.costs.ready:  # warm-up: a full block, a plain step, one token
+        if self.seconds is None:  # warm-up: a full block, a plain step, one token
             return self.costs.missing()[0]
         rates = self._rates()
         k = self._argmax(rates)
@@ -278,7 +307,7 @@ class AdaptiveDepth:
         self._new_prompt = True
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        probing = drafted > 0 and self.costs.ready and self.best() == 0
+        probing = drafted > 0 and self.seconds is not None and self.best() == 0
         self._follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
         if drafted:
             self._new_prompt = False
@@ -286,6 +315,7 @@ class AdaptiveDepth:
         else:
             self.acceptance.fade(self.stale)
         self.costs.update(drafted, seconds)
+        self._refresh()
 
 
 _shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()
@@ -296,10 +326,12 @@ def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size
 
     What it measured (this machine's cycle costs for this model, the recent
     acceptance) carries over from one call to the next; a new process, or a newly
-    loaded model, measures afresh.
+    loaded model, measures afresh. A sharded target's ranks agree on rank 0's costs.
     """
     per_target = _shared.setdefault(target, {})
     key = (id(drafter), window, block_size)
     if key not in per_target:
-        per_target[key] = AdaptiveDepth(block_size - 1)
+        group = getattr(target, "group", None)
+        agree = None if group is None else functools.partial(from_main, g=group)
+        per_target[key] = AdaptiveDepth(block_size - 1, agree=agree)
     return per_target[key]

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 import mlx.core as mx
 
 from .caches import make_cache
+from .distributed import from_main, from_main_bytes
 from .errors import DFlashError
 from .generate import GenerationResult, encode_prompt, stream_generate
 
@@ -157,11 +158,13 @@ class Job:
     """One request in the queue; the worker reports into ``events`` on the handler's loop."""
 
     completion: Completion
-    loop: asyncio.AbstractEventLoop
+    loop: Optional[asyncio.AbstractEventLoop]  # None: a rank > 0 of a sharded target, which answers nobody
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def report(self, kind: str, value: Any) -> None:
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the server is shutting down and its loop is closed
@@ -186,25 +189,62 @@ class Engine:
         self.cancelled = 0  # requests whose client left before they finished
 
     def run(self, serving: Callable[[], bool]) -> None:
-        """Answer queued requests in order while ``serving()`` holds."""
-        while serving():
-            try:
-                job = self.jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if job.cancelled.is_set():
-                self.cancelled += 1
-                job.report("done", None)
-                continue
-            try:
-                self._run(job)
-            except DFlashError as e:
-                job.report("error", APIError(400, str(e)))
-            except KeyboardInterrupt:
-                job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
-                raise
-            except Exception as e:  # a bug must not take the server down with it
-                job.report("error", APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+        """Answer queued requests in order while ``serving()`` holds.
+
+        With a sharded target this is rank 0, which hands each request to the other
+        ranks (``follow``) before running it, and tells them to stop when it stops.
+        """
+        try:
+            while serving():
+                try:
+                    job = self.jobs.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if job.cancelled.is_set():
+                    self.cancelled += 1
+                    job.report("done", None)
+                    continue
+                self._mirror(job.completion)
+                self._answer(job)
+        finally:
+            self._mirror(None)
+
+    def follow(self) -> None:
+        """Ranks > 0 of a sharded target: run the requests rank 0 hands over, until it stops."""
+        while (completion := self._mirror(None)) is not None:
+            self._answer(Job(completion, None))
+
+    def _mirror(self, completion: Optional[Completion]) -> Optional[Completion]:
+        """Rank 0's next request (None: stop), on every rank of a sharded target; a no-op on one machine.
+
+        Only what decides the tokens travels: the prompt ids, the budget, sampling and stop strings.
+        """
+        if self.target.group is None:
+            return completion
+        fields = ("ids", "max_tokens", "sampling", "stop")
+        data = b"" if completion is None else json.dumps({k: getattr(completion, k) for k in fields}).encode()
+        received = from_main_bytes(data, self.target.group)
+        if not received:
+            return None
+        shared = json.loads(received)
+        return Completion(**shared, stream=False, include_usage=False, chat=False)
+
+    def _answer(self, job: Job) -> None:
+        try:
+            self._run(job)
+        except DFlashError as e:
+            job.report("error", APIError(400, str(e)))
+        except KeyboardInterrupt:
+            job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
+            raise
+        except Exception as e:  # a bug must not take the server down with it
+            job.report("error", APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    def _cancelled(self, job: Job) -> bool:
+        """Whether the client left; with a sharded target rank 0's answer, so that every rank stops together."""
+        if self.target.group is None:
+            return job.cancelled.is_set()
+        return from_main([float(job.cancelled.is_set())], self.target.group)[0] > 0
 
     def _run(self, job: Job) -> None:
         c = job.completion
@@ -227,7 +267,7 @@ class Engine:
                 reason = reason or r.finish_reason
                 if reason:
                     break
-                if job.cancelled.is_set():
+                if self._cancelled(job):
                     self.cancelled += 1
                     break
         finally:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, gather_last_axis
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
@@ -56,8 +56,6 @@ def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache, undoabl
     projections (and per-step states) alive until the next update: only a verify,
     which may be rolled back, asks for it; a prefill chunk does not.
     """
-    if getattr(gdn, "sharding_group", None) is not None:
-        raise DFlashError("sharded GatedDeltaNet layers are not supported yet: run this target on one machine")
     B, S, _ = x.shape
     if hasattr(gdn, "in_proj_qkvz"):  # Qwen3-Next packs the projections
         q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
@@ -108,14 +106,17 @@ def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache, undoabl
     cache[0], cache[1] = mx.contiguous(conv_input[:, -n_keep:]), state
     cache.replay, cache.last_update = (replay, S) if undoable else (None, 0)
     cache.offset += S
-    return gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
+    out = gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
+    group = getattr(gdn, "sharding_group", None)  # sharded: this rank's heads (and state) only, summed here
+    return out if group is None else mx.distributed.all_sum(out, group=group)
 
 
 class Target:
     """A loaded mlx-lm causal LM plus the layer ids whose outputs feed the drafter."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], group: Optional[mx.distributed.Group] = None):
         lm = getattr(model, "language_model", model)  # Qwen3.5 wraps its text model
+        self.group = group  # the ranks this model is sharded over (model.shard), None on one machine
         self.model_type = getattr(model, "model_type", None) or model.args.model_type
         check_model_type(self.model_type)
         self.model = model
@@ -176,9 +177,11 @@ class Target:
         return self.body.embed_tokens(tokens)
 
     def lm_head(self, h: mx.array) -> mx.array:
-        if hasattr(self.lm, "lm_head"):
-            return self.lm.lm_head(h)
-        return self.body.embed_tokens.as_linear(h)
+        if not hasattr(self.lm, "lm_head"):
+            return self.body.embed_tokens.as_linear(h)
+        logits = self.lm.lm_head(h)
+        group = getattr(self.lm, "sharding_group", None)  # sharded: this rank's slice of the vocabulary
+        return logits if group is None else gather_last_axis(logits, group)
 
     def __call__(
         self, tokens: mx.array, cache: list[Any], last_logits_only: bool = False, undoable: bool = True

@@ -110,6 +110,36 @@ def test_a_long_context_does_not_pay_for_costs_learnt_at_a_short_one():
     assert tokens / seconds >= 0.97 / long.plain, (tokens / seconds * long.plain)
 
 
+def test_ranks_that_time_apart_agree_on_every_depth():
+    """The ranks of a sharded target see the same accepts but time their cycles apart. Left alone, their
+    depths drift apart (and the ranks would wait on each other forever); with rank 0's costs shared
+    (``agree``) they choose the same depth every cycle."""
+
+    def lockstep(agreeing: bool) -> int:
+        shared: list[float] = []
+
+        def agree(rank: int):
+            def share(theta: list[float]) -> list[float]:
+                if rank == 0:  # rank 0 reaches the collective first in this simulation
+                    shared[:] = theta
+                return list(shared)
+            return share if agreeing else None
+
+        ranks = [AdaptiveDepth(15, agree=agree(r)) for r in range(2)]
+        world, clocks = World(plain=0.02, drafter=0.01, per_token=0.002, alpha=0.6), np.random.default_rng(7)
+        differing = 0
+        for _ in range(600):
+            k0, k1 = (p.draft_length(0) for p in ranks)
+            differing += k0 != k1
+            accepted, seconds = world.cycle(k0)
+            for p in ranks:
+                p.observe(k0, accepted, seconds * clocks.uniform(0.8, 1.2))
+        return differing
+
+    assert lockstep(agreeing=False) > 0
+    assert lockstep(agreeing=True) == 0
+
+
 def test_acceptance_estimate_per_position():
     acc = Acceptance(4, decay=1.0)
     for accepted in (4, 4, 2, 0):

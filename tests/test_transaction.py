@@ -195,17 +195,6 @@ def test_repeated_target_layer_ids_generate_losslessly(tmp_path):
     assert out.tokens == plain_greedy(target.model, ids, 60)
 
 
-def test_sharded_gated_delta_net_is_refused(hybrid):
-    target, drafter, tokenizer = hybrid
-    layer = next(layer for layer, kind in zip(target.body.layers, target.kinds) if kind == "linear")
-    layer.linear_attn.sharding_group = object()
-    try:
-        with pytest.raises(DFlashError, match="sharded GatedDeltaNet layers are not supported yet"):
-            generate(target, drafter, tokenizer, "hi", max_tokens=4)
-    finally:
-        layer.linear_attn.sharding_group = None
-
-
 def test_prefill_keeps_no_replay_buffers(hybrid):
     """A prefill chunk cannot be rolled back, so its recurrent layers keep no replay (memory)."""
     from dflash_mlx.caches import RecurrentCache
