@@ -247,6 +247,9 @@ def convert(
     from .convert import convert as run
     from .convert import summary
 
+    if not distributed.is_main():  # it writes files and shards nothing: under mlx.launch rank 0 runs it alone
+        return
+
     with err.status("checking the pair") as status:  # transient: only the result or one error line stays
         path = run(source, out, target=target, quantize=quantize, q_group_size=q_group_size, dtype=dtype,
                    draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force, log=status.update)
@@ -591,6 +594,8 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
+    if not distributed.is_main():  # it writes files and shards nothing: under mlx.launch rank 0 runs it alone
+        return
     from datetime import timedelta
 
     from rich.table import Column

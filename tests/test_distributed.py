@@ -230,3 +230,11 @@ def test_bench_json_records_the_group_and_only_rank_0_writes(sharded_pairs, tmp_
     assert len(report["rank_peak_memory_gb"]) == 2 and all(p > 0 for p in report["rank_peak_memory_gb"])
     assert all("differs from plain" not in r["flagged"] for r in report["records"])  # (loops are flagged too)
     assert run.stdout.count("dflash vs plain decoding") == 1  # one table, from rank 0
+
+
+def test_convert_under_launch_writes_one_bundle_from_rank_0(sharded_pairs, tmp_path):
+    draft, target = sharded_pairs["qwen3"]
+    run = launch(str(CLI), "convert", str(draft), "--target", str(target), "-o", str(tmp_path / "bundle"))
+    assert run.returncode == 0 and "exited with code" not in run.stderr and "error" not in run.stderr, run.stderr
+    assert (tmp_path / "bundle" / "dflash.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]  # no second (temporary) copy from another rank
