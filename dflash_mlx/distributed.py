@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generation_stream
 
 from .errors import DFlashError
 
@@ -67,7 +68,11 @@ def group() -> Optional[mx.distributed.Group]:
     """The group this process was launched in, once every rank has joined; None for a single process."""
     if not launched():
         return None
-    seconds = float(os.environ.get("DFLASH_MLX_GROUP_TIMEOUT", "60"))
+    try:
+        seconds = float(os.environ.get("DFLASH_MLX_GROUP_TIMEOUT", "60"))
+    except ValueError:
+        raise DFlashError(f"DFLASH_MLX_GROUP_TIMEOUT must be a number of seconds, got "
+                          f"{os.environ['DFLASH_MLX_GROUP_TIMEOUT']!r}") from None
     rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
     with deadline(seconds, f"rank {rank}: the distributed group did not form within {seconds:g} s: a rank failed "
                            "to start or cannot be reached (check the hosts and that each runs the same dflash-mlx)"):
@@ -95,8 +100,6 @@ def from_main(values: list[float], g: mx.distributed.Group) -> list[float]:
     On the generation stream, so that it takes its place among the collectives of
     the cycles in flight in the same order on every rank.
     """
-    from mlx_lm.generate import generation_stream
-
     mine = mx.array(values if g.rank() == 0 else [0.0] * len(values), dtype=mx.float32)
     return mx.distributed.all_sum(mine, group=g, stream=generation_stream).tolist()
 
@@ -106,8 +109,6 @@ def from_main_bytes(data: bytes, g: mx.distributed.Group) -> bytes:
     size = int(from_main([float(len(data))], g)[0])  # exact in float32 below 16 MiB (requests are <= 4)
     if size == 0:
         return b""
-    from mlx_lm.generate import generation_stream
-
     mine = mx.array(np.frombuffer(data, np.uint8)) if g.rank() == 0 else mx.zeros((size,), mx.uint8)
     return bytes(np.array(mx.distributed.all_sum(mine, group=g, stream=generation_stream)))
 

@@ -238,3 +238,24 @@ def test_convert_under_launch_writes_one_bundle_from_rank_0(sharded_pairs, tmp_p
     assert run.returncode == 0 and "exited with code" not in run.stderr and "error" not in run.stderr, run.stderr
     assert (tmp_path / "bundle" / "dflash.json").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]  # no second (temporary) copy from another rank
+
+
+def test_a_model_that_does_not_split_evenly_is_refused(monkeypatch):
+    """mlx-lm's shard would split a lone key/value head (or an odd width) unevenly without a word."""
+    from dflash_mlx import distributed
+    from dflash_mlx.errors import DFlashError
+
+    config = fixtures.target_config("qwen3", num_key_value_heads=1)
+    with pytest.raises(DFlashError, match=r"cannot be split over 2 ranks: its key/value heads \(1\)"):
+        distributed.check_shardable(config, 2)
+    distributed.check_shardable(fixtures.target_config("qwen3_5", num_key_value_heads=1), 2)  # repeated instead
+    with pytest.raises(DFlashError, match=r"vocabulary \(385\)"):
+        distributed.check_shardable(fixtures.target_config("qwen3_5", vocab_size=385), 2)
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("DFLASH_MLX_GROUP_TIMEOUT", "soon")
+    distributed.group.cache_clear()
+    try:
+        with pytest.raises(DFlashError, match="DFLASH_MLX_GROUP_TIMEOUT must be a number of seconds, got 'soon'"):
+            distributed.group()
+    finally:
+        distributed.group.cache_clear()
