@@ -33,6 +33,12 @@ from .target import Target
 
 Prompt = Union[str, Sequence[int], mx.array]
 
+# While decoding plainly, the drafter's context catches up in passes of this many
+# positions: one pass per 64 plain steps costs far less per position than one per
+# block (fixed costs per pass; measured 23 us/position at 16, 11 at 128 on a CPU),
+# and the next draft's pass takes at most 63 positions along with its block.
+CATCH_UP = 64
+
 
 @dataclass
 class GenerationResponse:
@@ -176,9 +182,9 @@ def _start_cycle(
         else:
             block = last
         absorbed = []
-        if proposal is None and cache.pending >= cache.block_size:  # decoding plainly: the drafter's context
-            cache.absorb_context(drafter)  # keeps up a block at a time, computed now, so the next probe
-            absorbed = [c.state for c in cache.drafter]  # does not pay for the whole plain run
+        if proposal is None and cache.pending >= CATCH_UP:  # decoding plainly: the drafter's context keeps
+            cache.absorb_context(drafter)  # up, computed now, so that the next probe does not pay for the run
+            absorbed = [c.state for c in cache.drafter]
         logits, features = target(block[None], cache.target)
         accept, target_tokens = verify(sampling, proposal, logits[0], k_verify)
     mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed)

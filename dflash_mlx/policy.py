@@ -109,27 +109,26 @@ class Acceptance:
 class CycleCosts:
     """Seconds of a cycle drafting k tokens: t(k) = plain * (1 + [k > 0] * (drafter + k * per_token)).
 
-    ``plain`` is a decaying mean of the plain steps. The drafting overhead, in
-    units of a plain step (``drafter``, ``per_token``), is fitted by least squares
-    with exponential forgetting (``decay`` per cycle) to what drafting cycles took
-    beyond the plain estimate, relative to it. Relative, because whatever slows the
-    machine down (another process, heat, a longer context) slows both kinds of
-    cycle: measured apart in seconds, the kind measured last would look dear.
-    Plain and drafting cycles thus never move each other's parameters: a run of
-    drafting cycles cannot make plain decoding look dear. A small pull towards the
-    previous fit keeps the direction that one repeated depth does not measure where
-    it was. This runs every cycle, the plain step of a small model included, so it
-    is arithmetic on floats rather than array calls.
+    ``plain`` is a decaying mean of the plain steps. Each drafted depth keeps its own
+    decaying mean of what its cycles took beyond the plain estimate, relative to it;
+    the drafting overhead (``drafter``, ``per_token``, in plain steps) is the line
+    through those means, each weighted by how often its depth was seen (at most
+    ``1 / (1 - decay)``). Relative, because whatever slows the machine down
+    (another process, heat, a longer context) slows both kinds of cycle: measured
+    apart in seconds, the kind measured last would look dear. Per depth, because a
+    long run at one depth (a reply's loop at full blocks) measures only one point
+    of the line: fitted to the cycles as they come, the line would drift with the
+    noise along the direction that depth cannot see, until a one-token probe looked
+    three plain steps dear. This runs every cycle, the plain step of a small model
+    included, so it is arithmetic on floats rather than array calls.
     """
 
     max_depth: int = 15
     decay: float = 0.95
-    pull: float = 0.05
     plain: Optional[float] = None
     extra: Optional[tuple[float, float]] = None  # (drafter, per_token), in plain steps
     _plain_weight: float = 0.0
-    _gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # sum w, sum w k, sum w k^2
-    _moment: tuple[float, float] = (0.0, 0.0)  # sum w y, sum w k y
+    _means: dict[int, list[float]] = field(default_factory=dict)  # depth -> [weight, mean overhead]
     _early: list[tuple[int, float]] = field(default_factory=list)  # drafting cycles seen before any plain one
     depths_seen: set[int] = field(default_factory=set)
 
@@ -149,22 +148,25 @@ class CycleCosts:
             self._fit(k, seconds / self.plain - 1)
 
     def _fit(self, k: int, y: float) -> None:
-        d = self.decay
-        g0, g1, g2 = self._gram
-        self._gram = (d * g0 + 1, d * g1 + k, d * g2 + k * k)
-        self._moment = (d * self._moment[0] + y, d * self._moment[1] + k * y)
-        if len({j for j in self.depths_seen if j > 0}) < min(2, self.max_depth):
+        mean = self._means.setdefault(k, [0.0, 0.0])
+        mean[0] = min(self.decay * mean[0] + 1, 1 / (1 - self.decay))
+        mean[1] += (y - mean[1]) / mean[0]
+        if len(self._means) < min(2, self.max_depth):
             return
-        previous = self.extra or (0.0, 0.0)
-        pull = self.pull if self.extra is not None else 1e-9
-        a, b, c = self._gram[0] + pull, self._gram[1], self._gram[2] + pull
-        m0, m1 = self._moment[0] + pull * previous[0], self._moment[1] + pull * previous[1]
-        det = a * c - b * b
-        drafter, per_token = (c * m0 - b * m1) / det, (a * m1 - b * m0) / det
+        w = sum(n for n, _ in self._means.values())
+        wk = sum(n * d for d, (n, _) in self._means.items())
+        wkk = sum(n * d * d for d, (n, _) in self._means.items())
+        wy = sum(n * m for n, m in self._means.values())
+        wky = sum(n * d * m for d, (n, m) in self._means.items())
+        det = w * wkk - wk * wk
+        if det <= 1e-12 * w * wkk:  # one depth only (a block of 2): its mean is all there is
+            self.extra = (max(wy / w, 0.0), 0.0)
+            return
+        drafter, per_token = (wkk * wy - wk * wky) / det, (w * wky - wk * wy) / det
         if per_token < 0:  # the best fit with the negative parameter held at zero, not a clipped one
-            drafter, per_token = max(m0 / a, 0.0), 0.0
+            drafter, per_token = max(wy / w, 0.0), 0.0
         elif drafter < 0:
-            drafter, per_token = 0.0, max(m1 / c, 0.0)
+            drafter, per_token = 0.0, max(wky / wkk, 0.0)
         self.extra = (drafter, per_token)
 
     def missing(self) -> list[int]:
@@ -205,11 +207,19 @@ class AdaptiveDepth:
     twice as deep (1, 2, 4, 8, ...): the cost of a long draft learnt at one context
     length does not hold at another (a 16-token verify over an 8k window costs
     several plain steps on a CPU, about one at a short context), so a probe must be
-    cheap whatever the estimates say. Probes are spaced so that they lose at most
-    ``probe_budget`` of the decoding time against plain steps (at least
-    ``min_probe`` cycles apart, at most ``max_probe``): where drafting is cheap or
-    nearly pays that is every few tens of cycles; where it is dear (a CPU), every
-    few hundred. A new generation (a new prompt), where acceptance changes most,
+    cheap whatever the estimates say.
+
+    Probes are spaced by what they have found. Probing every n plain cycles loses
+    L/n of a plain step per cycle (L: what a probe costs beyond the plain steps for
+    its tokens); a recovery that gains g per cycle once noticed is noticed n/2
+    cycles late on average. With recoveries found at r per plain cycle the loss
+    L/n + r g n / 2 is least at n = sqrt(2 L / (r g)). Each run of drafting that a
+    probe started is followed to its end (g = 1 - its time in plain steps, as
+    predicted, / its tokens), and r g is their sum per plain cycle, both decaying by ``memory`` per
+    plain cycle. Probes thus come every ~20 cycles where replies keep falling into
+    runs the drafter follows (a chat reply's loops), and where they never do, no
+    more often than losing ``probe_budget`` of the time allows (at least
+    ``min_probe`` cycles apart, at most ``max_probe``). A new generation (a new prompt), where acceptance changes most,
     brings the next scheduled probe forward to half its interval (to the prompt's
     first cycle if that much has passed): prompts that come faster than the
     schedule (short replies at a long context) cost at most twice the budget. The
@@ -224,16 +234,20 @@ class AdaptiveDepth:
     """
 
     max_depth: int
-    probe_budget: float = 0.01
+    probe_budget: float = 0.005
     min_probe: int = 8
     max_probe: int = 1024
     stale: float = 0.995
+    memory: float = 0.995
     agree: Optional[Callable[[list[float]], list[float]]] = None
     agree_every: int = 32
     acceptance: Acceptance = field(init=False)
     costs: CycleCosts = field(init=False)
     seconds: Optional[list[float]] = None  # predicted seconds of a cycle drafting k = 0..max_depth
     _plain_run: int = 0
+    _found: float = 0.0  # decaying sum of the gains g of the drafting runs probes started
+    _waited: float = 200.0  # decaying count of plain cycles (a prior: none found in two hundred)
+    _run: Optional[list[float]] = None  # the current run's [tokens, plain steps], when a probe started it
     _new_prompt: bool = False
     _follow_up: int = 0
     _since_agreed: int = 0
@@ -269,16 +283,20 @@ class AdaptiveDepth:
         return self._argmax(self._rates()) if self.seconds is not None else self.max_depth
 
     def probe_interval(self, depth: int) -> int:
-        """Plain cycles between probes at ``depth``, so that probing loses ``probe_budget`` of the time.
+        """Plain cycles between probes at ``depth``: sqrt(2 L / found), at most what ``probe_budget`` allows.
 
         A probe loses what it takes beyond the plain steps that would have made its
-        expected tokens. Where drafting is nearly as good as plain decoding that is
-        little, and probes come often: the decision is close and worth checking.
+        expected tokens (L, in plain steps). Where drafting is nearly as good as
+        plain decoding that is little, and probes come often: the decision is close
+        and worth checking.
         """
         assert self.seconds is not None
         plain = self.seconds[0]
-        loss = self.seconds[depth] - self.acceptance.expected_tokens()[depth] * plain
-        return int(min(max(loss / (self.probe_budget * plain), self.min_probe), self.max_probe))
+        loss = max(self.seconds[depth] / plain - self.acceptance.expected_tokens()[depth], 0.0)
+        budgeted = loss / self.probe_budget
+        found = self._found / self._waited
+        best = (2 * loss / found) ** 0.5 if found > 0 else budgeted
+        return int(min(max(min(best, budgeted), self.min_probe), self.max_probe))
 
     def draft_length(self, context_tokens: int) -> int:
         if self.max_depth == 0:
@@ -294,10 +312,9 @@ class AdaptiveDepth:
         if self._follow_up:  # the last probe was accepted whole: look further at once
             return self._follow_up
         interval = self.probe_interval(1)
-        if self._new_prompt and 2 * self._plain_run >= interval:  # the next scheduled probe, brought forward
+        if self._new_prompt:  # the next probe a quarter interval into the reply at the latest
             self._new_prompt = False
-            self._plain_run = 0
-            return 1
+            self._plain_run = max(self._plain_run, interval - max(self.min_probe, interval // 4))
         if self._plain_run >= interval:
             self._plain_run = 0
             return 1
@@ -314,8 +331,20 @@ class AdaptiveDepth:
             self.acceptance.update(drafted, accepted)
         else:
             self.acceptance.fade(self.stale)
+            self._waited = self.memory * self._waited + 1
+            self._found *= self.memory
+            if self._run is not None:  # the run a probe started has ended: what it gained per token
+                tokens, steps = self._run
+                self._found += max(0.0, 1 - steps / tokens)
+                self._run = None
         self.costs.update(drafted, seconds)
         self._refresh()
+        if drafted and self.seconds is not None:
+            if probing and self.best() > 0:
+                self._run = [0.0, 0.0]
+            if self._run is not None:
+                self._run[0] += accepted + 1
+                self._run[1] += self.seconds[drafted] / self.seconds[0]  # predicted: every rank's the same
 
 
 _shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()

@@ -27,6 +27,12 @@ OPENBLAS_CANDIDATES = [
 ]
 
 
+# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each call before they sleep. Beside
+# MLX's own threads that takes a core from them: on 2 cores a small model's plain steps ran ~10%
+# slower and the adaptive policy's ~25% (bench/adaptive.py pair). 2^4 cycles: they sleep at once.
+OPENBLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+
+
 class _DlInfo(ctypes.Structure):  # glibc's Dl_info, filled in by dladdr()
     _fields_ = [
         ("fname", ctypes.c_char_p),
@@ -107,20 +113,34 @@ def machine_description() -> dict[str, Any]:
     }
     if sys.platform == "linux":
         info["blas"] = blas_library()
+        info["blas_env"] = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OPENBLAS_"))
     return info
 
 
-def reexec_with_openblas() -> None:
-    """Restart this process with OpenBLAS preloaded when it would run on the reference BLAS.
+def openblas_spins() -> bool:
+    """True when OpenBLAS serves MLX and its idle threads keep spinning (none of its thread settings made)."""
+    lib = blas_library() or ""
+    return "openblas" in lib and not any(k in os.environ for k in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS"))
 
-    For benchmark scripts: call it first thing. Does nothing off Linux, when
-    OpenBLAS is not installed (the caller warns), or after one re-exec already.
+
+def reexec_with_openblas() -> None:
+    """Restart this process with OpenBLAS preloaded, its idle threads sleeping at once (``OPENBLAS_ENV``).
+
+    For benchmark scripts: call it first thing. Re-execs when MLX would run on the
+    reference BLAS and OpenBLAS is installed, or when OpenBLAS runs with spinning
+    threads. Does nothing off Linux, when OpenBLAS is not installed (the caller
+    warns), or after one re-exec already. Settings the user made are kept.
     """
-    openblas = find_openblas()
-    preload = os.environ.get("LD_PRELOAD", "")
-    if os.environ.get(_REEXEC_GUARD) or openblas is None or openblas in preload or not is_reference_blas():
+    if os.environ.get(_REEXEC_GUARD) or sys.platform != "linux":
         return
-    env = dict(os.environ, LD_PRELOAD=f"{openblas} {preload}".strip(), **{_REEXEC_GUARD: "1"})
+    env = dict(os.environ, **{_REEXEC_GUARD: "1"})
+    openblas, preload = find_openblas(), os.environ.get("LD_PRELOAD", "")
+    if is_reference_blas() and openblas is not None and openblas not in preload:
+        env["LD_PRELOAD"] = f"{openblas} {preload}".strip()
+    elif not openblas_spins():
+        return
+    for key, value in OPENBLAS_ENV.items():
+        env.setdefault(key, value)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

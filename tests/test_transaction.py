@@ -14,6 +14,8 @@ from helpers import plain_greedy
 
 from dflash_mlx import DFlashError, fixtures, generate, load, make_cache, stream_generate
 from dflash_mlx.chat import ChatSession
+from dflash_mlx.generate import CATCH_UP
+from dflash_mlx.policy import FixedBlock
 
 FOLLOW = " and then"
 
@@ -277,3 +279,24 @@ def test_chat_keeps_the_committed_reply_after_ctrl_c(tmp_path, monkeypatch):
     prompt_ids = session.ids[: len(session.ids) - len(result.tokens)]
     assert prompt_ids[: len(interrupted)] == interrupted and result.prompt_cached == len(interrupted)
     assert result.tokens == plain_greedy(target.model, prompt_ids, 200)
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_plain_decoding_keeps_the_drafter_context_caught_up(pairs, window):
+    """A long run of plain steps (depth 0) leaves at most ``CATCH_UP`` positions for the next draft to
+    absorb, and the drafts after it are those of a fresh cache over the same history."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode(PROMPTS[0])
+    opts = dict(block_size=4, eos_token_ids=[], window=window)
+    cache = make_cache(target, drafter, window=window, block_size=4)
+    behind = []
+    for _ in stream_generate(target, drafter, tokenizer, ids, max_tokens=3 * CATCH_UP, cache=cache,
+                             policy=FixedBlock(1), **opts):
+        behind.append(cache.pending)  # (mid-generation a plain step is already in flight: no check() here)
+    cache.check()
+    assert max(behind) == CATCH_UP - 1 and behind[-1] < CATCH_UP  # it fell behind by a pass's worth, then caught up
+    follow = cache.tokens + tokenizer.encode(FOLLOW)
+    reused = list(stream_generate(target, drafter, tokenizer, follow, max_tokens=24, cache=cache, **opts))
+    fresh = list(stream_generate(target, drafter, tokenizer, follow, max_tokens=24, **opts))
+    assert [r.drafted for r in reused] == [r.drafted for r in fresh]
+    assert [t for r in reused for t in r.tokens] == [t for r in fresh for t in r.tokens]
