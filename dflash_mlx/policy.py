@@ -59,8 +59,13 @@ class Acceptance:
 
     Each cycle observes positions 0..accepted (the first rejection ends it). Counts
     decay by ``decay`` per cycle, so a change of topic is followed within tens of
-    cycles. A position seen rarely leans on the pooled rate of all positions
-    (``prior`` pseudo-observations), which also covers depths never drafted yet.
+    cycles. A position seen rarely leans on the one before it (``prior``
+    pseudo-observations; the first position on the pooled rate of all), which
+    also covers depths never drafted yet: after drafts of k accepted whole (a run
+    the drafter follows), the positions beyond k look as good as the k-th, so the
+    next draft reaches further. Leaning on the pooled rate instead, a policy
+    climbing out of plain decoding drafted 10 to 14 tokens for tens of cycles in
+    loops a full block would have taken whole.
     """
 
     depth: int
@@ -92,8 +97,11 @@ class Acceptance:
         self._expected = None
 
     def rates(self) -> np.ndarray:
-        pooled = (self.hits.sum() + 1) / (self.trials.sum() + 2)
-        return (self.hits + self.prior * pooled) / (self.trials + self.prior)
+        lean = (self.hits.sum() + 1) / (self.trials.sum() + 2)  # pooled, for the first position
+        rates = np.empty(self.depth)
+        for j in range(self.depth):
+            rates[j] = lean = (self.hits[j] + self.prior * lean) / (self.trials[j] + self.prior)
+        return rates
 
     def expected_tokens(self) -> list[float]:
         """E[tokens of a cycle drafting k], k = 0..K: the target's own token plus the accepted run.
