@@ -276,7 +276,7 @@ def doctor(
     import mlx.core as mx
     from huggingface_hub import constants
 
-    from .system import blas_library, find_openblas, is_reference_blas, machine_description, openblas_spins
+    from .system import OPENBLAS_FIX, blas_library, find_openblas, is_reference_blas, machine_description, openblas_spins
 
     if selftest:
         from .selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE, check_max_tokens
@@ -296,12 +296,11 @@ def doctor(
     if sys.platform == "linux":
         blas = blas_library() or "unknown"
         if is_reference_blas():
-            fix = (f"run with LD_PRELOAD={find_openblas()} OPENBLAS_THREAD_TIMEOUT=4" if find_openblas()
+            fix = (f"run with LD_PRELOAD={find_openblas()} {OPENBLAS_FIX}" if find_openblas()
                    else "apt-get install libopenblas0-pthread, then preload it (the bench scripts do)")
             out.print(f"BLAS          [bold red]reference BLAS[/] {blas}: speculative decoding cannot win; {fix}")
         elif openblas_spins():
-            out.print(f"BLAS          {blas}; [yellow]its idle threads spin and slow MLX's: "
-                      "set OPENBLAS_THREAD_TIMEOUT=4[/]")
+            out.print(f"BLAS          {blas}; [yellow]its idle threads spin and slow MLX's: set {OPENBLAS_FIX}[/]")
         else:
             out.print(f"BLAS          {blas} ({info['blas_env'] or 'default settings'})")
     out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
@@ -466,7 +465,7 @@ def bench(
 
     from . import bench as b
     from .loader import load
-    from .system import find_openblas, is_reference_blas, machine_description, openblas_spins
+    from .system import OPENBLAS_FIX, find_openblas, is_reference_blas, machine_description, openblas_spins
 
     _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
@@ -490,13 +489,13 @@ def bench(
     else:
         b.fetch(dataset, num_prompts)  # raises the unknown-dataset error
     if is_reference_blas():
-        fix = (f"LD_PRELOAD={find_openblas()} OPENBLAS_THREAD_TIMEOUT=4 dflash-mlx bench ..." if find_openblas()
+        fix = (f"LD_PRELOAD={find_openblas()} {OPENBLAS_FIX} dflash-mlx bench ..." if find_openblas()
                else "apt-get install libopenblas0-pthread")
         err.print(f"[bold red]WARNING: MLX runs on the reference BLAS: these numbers are meaningless for speculation. Fix: {fix}[/]",
                   soft_wrap=True)
     elif openblas_spins():
         err.print("[yellow]warning: OpenBLAS's idle threads spin and slow MLX's own (DFlash more than plain "
-                  "decoding): set OPENBLAS_THREAD_TIMEOUT=4[/]", soft_wrap=True)
+                  f"decoding): set {OPENBLAS_FIX}[/]", soft_wrap=True)
     tgt, drafter, tokenizer = load(model, target)
     if window is not None:
         _check_options(block_size or drafter.block_size, max_tokens, window, sinks)

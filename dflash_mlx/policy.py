@@ -223,16 +223,20 @@ class AdaptiveDepth:
     cycles late on average. With recoveries found at r per plain cycle the loss
     L/n + r g n / 2 is least at n = sqrt(2 L / (r g)). Each run of drafting that a
     probe started is followed to its end (g = 1 - its time in plain steps, as
-    predicted, / its tokens), and r g is their sum per plain cycle, both decaying by ``memory`` per
-    plain cycle. Probes thus come every ~20 cycles where replies keep falling into
-    runs the drafter follows (a chat reply's loops), and where they never do, no
-    more often than losing ``probe_budget`` of the time allows (at least
-    ``min_probe`` cycles apart, at most ``max_probe``). A new generation (a new prompt), where acceptance changes most,
-    brings the next scheduled probe forward to half its interval (to the prompt's
-    first cycle if that much has passed): prompts that come faster than the
-    schedule (short replies at a long context) cost at most twice the budget. The
-    acceptance seen before a run of plain steps fades by ``stale`` per step, so a
-    probe after a long run weighs more.
+    predicted, / its tokens), and r g is their sum per plain cycle, both decaying
+    by ``memory`` per plain cycle. Probes thus come every ~20 cycles where replies
+    keep falling into runs the drafter follows (a chat reply's loops), and where
+    they never do, no more often than losing ``probe_budget`` of the time allows
+    (at least ``min_probe`` cycles apart, at most ``max_probe``).
+
+    A new generation (a new prompt), where acceptance changes most, brings the next
+    probe forward to a quarter of an interval into its reply, not to its first
+    cycle: a reply's opening is where a drafter agrees least (the target chooses
+    how to answer), and the runs it follows come later (measured on chat replies:
+    six to twelve rejected blocks, then full ones). Each prompt thus adds at most
+    one probe, and a reply shorter than a quarter interval (a short answer at a
+    long context) none. The acceptance seen before a run of plain steps fades by
+    ``stale`` per step, so a probe after a long run weighs more.
 
     Decisions read the cost model through ``seconds``, its predictions, refreshed
     after every cycle. The ranks of a sharded target (``distributed``) see the same

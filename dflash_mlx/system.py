@@ -31,6 +31,7 @@ OPENBLAS_CANDIDATES = [
 # MLX's own threads that takes a core from them: on 2 cores a small model's plain steps ran ~10%
 # slower and the adaptive policy's ~25% (bench/adaptive.py pair). 2^4 cycles: they sleep at once.
 OPENBLAS_ENV = {"OPENBLAS_THREAD_TIMEOUT": "4"}
+OPENBLAS_FIX = " ".join(f"{k}={v}" for k, v in OPENBLAS_ENV.items())  # as a user types it
 
 
 class _DlInfo(ctypes.Structure):  # glibc's Dl_info, filled in by dladdr()
