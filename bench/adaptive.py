@@ -4,6 +4,8 @@ Every prompt is decoded by plain mlx-lm, by DFlash with fixed blocks, and by DFl
 with the adaptive policy (the default), in alternating order over the repeats; the
 figures are medians of decode tok/s. The adaptive policy keeps what it measured
 from one prompt to the next, as it does for a user who keeps the model loaded.
+"plain" is ``mlx_lm.stream_generate``, text included, as dflash-mlx produces its
+own; "plain ids" is mlx-lm's bare ``generate_step`` (no text), shown for reference.
 
     python bench/adaptive.py random [--reference-blas --blocks '']   # random pair, tau ~ 1: adaptive vs plain
     python bench/adaptive.py pair [--pair DIR]           # trained pair: vs plain and blocks 4, 8, 16
@@ -32,8 +34,8 @@ from dflash_mlx.bench import depths_text  # noqa: E402
 
 def measure(target, drafter, tokenizer, prompts: list[list[int]], blocks: list[int], max_tokens: int,
             repeats: int) -> tuple[dict[str, list[float]], collections.Counter]:
-    """Per path ('plain', 'block N', 'adaptive'): median decode tok/s per prompt; the adaptive depths."""
-    paths = ["plain"] + [f"block {b}" for b in blocks] + ["adaptive"]
+    """Per path ('plain', 'plain ids', 'block N', 'adaptive'): median decode tok/s per prompt; the adaptive depths."""
+    paths = ["plain", "plain ids"] + [f"block {b}" for b in blocks] + ["adaptive"]
     speeds: dict[str, list[float]] = {p: [] for p in paths}
     depths: collections.Counter = collections.Counter()
     for ids in prompts:
@@ -41,8 +43,8 @@ def measure(target, drafter, tokenizer, prompts: list[list[int]], blocks: list[i
         reference = None
         for r in range(repeats):
             for path in paths if r % 2 == 0 else paths[::-1]:
-                if path == "plain":
-                    tokens, tps, _ = plain(target.model, ids, max_tokens)
+                if path.startswith("plain"):
+                    tokens, tps, _ = plain(target.model, ids, max_tokens, tokenizer=tokenizer if path == "plain" else None)
                 else:
                     block = None if path == "adaptive" else int(path.split()[1])
                     out = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block,
@@ -60,13 +62,15 @@ def measure(target, drafter, tokenizer, prompts: list[list[int]], blocks: list[i
 
 def report(name: str, speeds: dict[str, list[float]], depths: collections.Counter) -> None:
     med = {p: statistics.median(v) for p, v in speeds.items()}
-    best = max((p for p in med if p != "adaptive"), key=med.get)
+    fair = [p for p in med if p not in ("adaptive", "plain ids")]  # the paths that produce text, as adaptive does
+    best = max(fair, key=med.get)
     print(f"\n{name}: median decode tok/s over {len(speeds['plain'])} prompts (tokens identical on every path)")
     print("  " + " | ".join(f"{p} {v:.1f}" for p, v in med.items()))
-    per_prompt = [a / max(v[i] for p, v in speeds.items() if p != "adaptive") for i, a in enumerate(speeds["adaptive"])]
+    per_prompt = [a / max(speeds[p][i] for p in fair) for i, a in enumerate(speeds["adaptive"])]
     print(f"  adaptive / plain {med['adaptive'] / med['plain']:.3f}; adaptive / best fixed-or-plain ({best}) "
           f"{med['adaptive'] / med[best]:.3f}; per prompt vs its best: min {min(per_prompt):.3f}, "
           f"median {statistics.median(per_prompt):.3f}")
+    print(f"  adaptive / plain ids (generate_step, no text) {med['adaptive'] / med['plain ids']:.3f}")
     hist = [depths.get(k, 0) for k in range(max(depths, default=0) + 1)]
     print(f"  adaptive depths (depth:cycles): {depths_text(hist)}")
 
@@ -111,7 +115,7 @@ def main() -> None:
     warm = next(iter(sets.values()))[0]
     for block in blocks + [None]:  # warm-up; the adaptive policy also measures its first cycles here
         dflash_mlx.generate(target, drafter, tokenizer, warm, max_tokens=32, block_size=block, eos_token_ids=[])
-    plain(target.model, warm, 32)
+    plain(target.model, warm, 32, tokenizer=tokenizer)
     print(f"{args.max_tokens} tokens per prompt, greedy, {args.repeats} repeats in alternating order")
     for name, prompts in sets.items():
         speeds, depths = measure(target, drafter, tokenizer, prompts, blocks, args.max_tokens, args.repeats)

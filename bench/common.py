@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Optional  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.generate import generate_step, stream_generate  # noqa: E402
 
 from dflash_mlx import fixtures  # noqa: E402
 
@@ -61,20 +61,34 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def plain(
-    model, ids: list[int], max_tokens: int, prompt_cache: Optional[list[Any]] = None, sampler: Any = None
+    model, ids: list[int], max_tokens: int, prompt_cache: Optional[list[Any]] = None, sampler: Any = None,
+    tokenizer: Any = None,
 ) -> tuple[list[int], float, float]:
     """Greedy mlx-lm decoding: tokens, decode tok/s (tokens after the first, from the first), prefill tok/s.
 
     ``prompt_cache`` (e.g. ``target.make_cache(window)``) gives it the same attention
-    window as the dflash run it is compared with.
+    window as the dflash run it is compared with. With ``tokenizer`` it decodes
+    through ``mlx_lm.stream_generate``, text included, as a user of mlx-lm runs it
+    and as dflash-mlx's own loop does (EOS ignored, like the dflash runs of these
+    scripts); without, through bare ``generate_step`` (token ids only, no text).
     """
     tokens, stamps = [], []
     tic = time.perf_counter()
-    steps = generate_step(mx.array(ids), model, max_tokens=max_tokens, prompt_cache=prompt_cache, sampler=sampler)
-    for token, _ in steps:
-        stamps.append(time.perf_counter())
-        tokens.append(int(token))
-    return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]), len(ids) / (stamps[0] - tic)
+    if tokenizer is None:
+        steps = generate_step(mx.array(ids), model, max_tokens=max_tokens, prompt_cache=prompt_cache, sampler=sampler)
+        for token, _ in steps:
+            stamps.append(time.perf_counter())
+            tokens.append(int(token))
+        return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]), len(ids) / (stamps[0] - tic)
+    eos, tokenizer.eos_token_ids = tokenizer.eos_token_ids, []
+    try:
+        for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, prompt_cache=prompt_cache,
+                                        sampler=sampler):
+            stamps.append(time.perf_counter())
+            tokens.append(response.token)
+    finally:
+        tokenizer.eos_token_ids = eos
+    return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]), response.prompt_tps
 
 
 def print_machine() -> dict[str, Any]:

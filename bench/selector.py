@@ -183,7 +183,7 @@ class Depth:
     def start(self) -> None:
         pass
 
-    def draft_length(self, context_tokens: int) -> int:
+    def draft_length(self, history) -> int:
         return self.k
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:

@@ -268,6 +268,7 @@ class DFlashCache:
     # Features the drafter has not seen, one array per commit: joined once, when the drafter takes them
     # (joining at every commit would copy the growing pending block again and again).
     _parts: list[mx.array] = field(default_factory=list, repr=False)
+    _pending: int = field(default=0, repr=False)  # positions in _parts, counted as they come (asked every step)
 
     @property
     def nbytes(self) -> int:
@@ -275,7 +276,7 @@ class DFlashCache:
 
     @property
     def pending(self) -> int:
-        return sum(part.shape[1] for part in self._parts)
+        return self._pending
 
     @property
     def context(self) -> Optional[mx.array]:
@@ -287,6 +288,7 @@ class DFlashCache:
     @context.setter
     def context(self, value: Optional[mx.array]) -> None:
         self._parts = [] if value is None else [value]
+        self._pending = 0 if value is None else value.shape[1]
 
     def begin(self, ids: list[int]) -> tuple[int, object]:
         """Hand the cache to a new generation over ``ids``: (how many leading ids it holds, the lease).
@@ -354,6 +356,7 @@ class DFlashCache:
         self.tokens.extend(kept)
         if self.drafter:
             self._parts.append(features)
+            self._pending += features.shape[1]
 
     def abandon(self) -> None:
         """Undo what an unfinished cycle applied: the caches hold ``tokens`` again.

@@ -255,7 +255,7 @@ def _decode(
     key = None if sampling.greedy else sampling.key()
 
     def depth(emitted: int) -> int:
-        return max(0, min(policy.draft_length(len(cache.tokens)), cache.block_size - 1, max_tokens - emitted - 1))
+        return max(0, min(policy.draft_length(cache.tokens), cache.block_size - 1, max_tokens - emitted - 1))
 
     def start(last: mx.array, n_draft: int) -> tuple[_InFlight, float]:
         nonlocal key

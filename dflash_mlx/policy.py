@@ -7,8 +7,9 @@ agrees with); the policy only decides speed. 0 means a plain decoding step.
 
 ``FixedBlock`` always fills the block (``--block-size N``). ``AdaptiveDepth``
 (the default) picks the depth that maximises expected tokens per second from two
-live estimates: the acceptance of each draft position, and the cost of a cycle
-as a function of its depth, both measured from the cycles as they run.
+live estimates: the acceptance of each draft position (apart for text that
+repeats and text that does not), and the cost of a cycle as a function of its
+depth, both measured from the cycles as they run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -28,8 +29,8 @@ class DraftPolicy(Protocol):
         """A generation begins: a new prompt, whose acceptance may differ from the last one's."""
         ...
 
-    def draft_length(self, context_tokens: int) -> int:
-        """Tokens to draft in the next cycle, given how many the caches hold (the loop caps it)."""
+    def draft_length(self, history: Sequence[int]) -> int:
+        """Tokens to draft in the next cycle, given the tokens the caches hold (the loop caps it)."""
         ...
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -46,7 +47,7 @@ class FixedBlock:
     def start(self) -> None:
         pass
 
-    def draft_length(self, context_tokens: int) -> int:
+    def draft_length(self, history: Sequence[int]) -> int:
         return self.block_size - 1
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -111,6 +112,60 @@ class Acceptance:
         if self._expected is None:
             self._expected = [1.0] + (1.0 + np.cumsum(np.cumprod(self.rates()))).tolist()
         return self._expected
+
+
+@dataclass
+class Repeats:
+    """How long a suffix of the history also occurred earlier in it, kept up as the history grows.
+
+    Drafters follow text that repeats itself (a reply fallen into a loop, a line of
+    code written again, a name from the prompt) far better than new text. Measured
+    on the CPU pair of ``bench/build_pair.py``, a one-token draft was accepted
+    26-38% of the time where the last three tokens had not occurred before, and
+    84-94% where the last twelve had, in code and chat alike. The policy keeps its
+    acceptance apart for each ``classes`` bucket of this length, so it can draft
+    where the text repeats and decode plainly where it does not, without waiting
+    for a probe to notice the change. Each new token costs a dict lookup; a new
+    generation indexes the last ``horizon`` tokens of its history once.
+    """
+
+    n: int = 3  # the shortest repeat that counts
+    long: int = 12  # from here on a repeat is a class of its own (and the length stops growing)
+    horizon: int = 4096
+    _ends: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)  # n-gram -> index past its latest
+    _first: int = 0  # the first token indexed
+    _seen: int = 0  # tokens of the history indexed
+    _length: int = 0
+    _next: int = 0  # where the earlier occurrence of the repeating suffix continues
+
+    def reset(self) -> None:
+        self._ends, self._seen, self._length = {}, 0, 0
+
+    def length(self, history: Sequence[int]) -> int:
+        """Length (``n`` .. ``long``) of the suffix of ``history`` seen earlier in it; 0 if none is."""
+        if len(history) < self._seen:
+            self.reset()
+        if self._seen == 0:
+            self._first = self._seen = max(0, len(history) - self.horizon)
+        for i in range(self._seen, len(history)):
+            token = history[i]
+            if self._length and history[self._next] == token:
+                self._length, self._next = min(self._length + 1, self.long), self._next + 1
+                key = tuple(history[i - self.n + 1 : i + 1])
+            elif i + 1 - self._first >= self.n:
+                key = tuple(history[i - self.n + 1 : i + 1])
+                end = self._ends.get(key)
+                self._length, self._next = (0, 0) if end is None else (self.n, end)
+            else:
+                continue
+            self._ends[key] = i + 1
+        self._seen = len(history)
+        return self._length
+
+    def bucket(self, history: Sequence[int]) -> int:
+        """0: the end of the history is new; 1: it repeats a short stretch; 2: a long one."""
+        length = self.length(history)
+        return 0 if length < self.n else 1 if length < self.long else 2
 
 
 @dataclass
@@ -238,6 +293,14 @@ class AdaptiveDepth:
     long context) none. The acceptance seen before a run of plain steps fades by
     ``stale`` per step, so a probe after a long run weighs more.
 
+    Acceptance is kept apart by how the text repeats itself (``Repeats.bucket``: the
+    end of the history is new, repeats a short stretch, or a long one), and each
+    decision goes by its bucket's. A reply that falls into a loop the drafter has
+    followed before is drafted within a few tokens of the loop's second pass, not
+    at the next probe, while the new text around it decodes plainly (measured on the
+    CPU pair's chat set: 0.94 to 0.98 of a full block's speed became about 1.0, with
+    no loss on its code set, where plain decoding stays the best path).
+
     Decisions read the cost model through ``seconds``, its predictions, refreshed
     after every cycle. The ranks of a sharded target (``distributed``) see the same
     tokens but time their cycles apart, and must all draft the same depth: there
@@ -253,7 +316,8 @@ class AdaptiveDepth:
     memory: float = 0.995
     agree: Optional[Callable[[list[float]], list[float]]] = None
     agree_every: int = 32
-    acceptance: Acceptance = field(init=False)
+    repeats: Repeats = field(default_factory=Repeats)
+    by_repeat: list[Acceptance] = field(init=False)  # one per ``Repeats.bucket``
     costs: CycleCosts = field(init=False)
     seconds: Optional[list[float]] = None  # predicted seconds of a cycle drafting k = 0..max_depth
     _plain_run: int = 0
@@ -263,10 +327,16 @@ class AdaptiveDepth:
     _new_prompt: bool = False
     _follow_up: int = 0
     _since_agreed: int = 0
+    _bucket: int = 0  # how the history repeated itself at the last decision
 
     def __post_init__(self) -> None:
-        self.acceptance = Acceptance(self.max_depth)
+        self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.costs = CycleCosts(self.max_depth)
+
+    @property
+    def acceptance(self) -> Acceptance:
+        """The acceptance estimate the last decision went by (its repeat bucket's)."""
+        return self.by_repeat[self._bucket]
 
     def _rates(self) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
@@ -310,9 +380,10 @@ class AdaptiveDepth:
         best = (2 * loss / found) ** 0.5 if found > 0 else budgeted
         return int(min(max(min(best, budgeted), self.min_probe), self.max_probe))
 
-    def draft_length(self, context_tokens: int) -> int:
+    def draft_length(self, history: Sequence[int]) -> int:
         if self.max_depth == 0:
             return 0
+        self._bucket = self.repeats.bucket(history)
         if self.seconds is None:  # warm-up: a full block, a plain step, one token
             return self.costs.missing()[0]
         rates = self._rates()
@@ -334,6 +405,7 @@ class AdaptiveDepth:
 
     def start(self) -> None:
         self._new_prompt = True
+        self.repeats.reset()
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         probing = drafted > 0 and self.seconds is not None and self.best() == 0
@@ -342,7 +414,8 @@ class AdaptiveDepth:
             self._new_prompt = False
             self.acceptance.update(drafted, accepted)
         else:
-            self.acceptance.fade(self.stale)
+            for acceptance in self.by_repeat:
+                acceptance.fade(self.stale)
             self._waited = self.memory * self._waited + 1
             self._found *= self.memory
             if self._run is not None:  # the run a probe started has ended: what it gained per token

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import generate, make_cache
-from dflash_mlx.policy import Acceptance, AdaptiveDepth, CycleCosts
+from dflash_mlx.policy import Acceptance, AdaptiveDepth, CycleCosts, Repeats
 
 
 class World:
@@ -37,7 +37,7 @@ class World:
 def run(policy: AdaptiveDepth, world: World, cycles: int) -> list[int]:
     chosen = []
     for _ in range(cycles):
-        k = policy.draft_length(0)
+        k = policy.draft_length([])
         accepted, seconds = world.cycle(k)
         policy.observe(k, accepted, seconds)
         chosen.append(k)
@@ -103,7 +103,7 @@ def test_a_long_context_does_not_pay_for_costs_learnt_at_a_short_one():
     for _ in range(8):  # prompts of 64 cycles each
         policy.start()
         for _ in range(64):
-            k = policy.draft_length(0)
+            k = policy.draft_length([])
             accepted, took = long.cycle(k)
             policy.observe(k, accepted, took)
             tokens, seconds = tokens + accepted + 1, seconds + took
@@ -129,7 +129,7 @@ def test_ranks_that_time_apart_agree_on_every_depth():
         world, clocks = World(plain=0.02, drafter=0.01, per_token=0.002, alpha=0.6), np.random.default_rng(7)
         differing = 0
         for _ in range(600):
-            k0, k1 = (p.draft_length(0) for p in ranks)
+            k0, k1 = (p.draft_length([]) for p in ranks)
             differing += k0 != k1
             accepted, seconds = world.cycle(k0)
             for p in ranks:
@@ -138,6 +138,88 @@ def test_ranks_that_time_apart_agree_on_every_depth():
 
     assert lockstep(agreeing=False) > 0
     assert lockstep(agreeing=True) == 0
+
+
+def occurs_before(history: list[int], length: int) -> bool:
+    """Does the last ``length`` tokens' stretch occur earlier in ``history`` (ending before its last token)?"""
+    tail = history[-length:]
+    return any(history[j : j + length] == tail for j in range(len(history) - length))
+
+
+@settings(max_examples=200, deadline=None)
+@given(history=st.lists(st.integers(0, 3), max_size=60), cuts=st.lists(st.integers(0, 60), max_size=5))
+def test_repeats_measures_a_repeat_that_is_there_however_the_history_arrives(history, cuts):
+    """0 exactly when the last three tokens never occurred before; otherwise a stretch of the reported length
+    (3..12) did. Fed in any chunks, the answer is the one for the whole history."""
+    repeats = Repeats()
+    for cut in sorted(cuts) + [len(history)]:
+        length = repeats.length(history[:cut])
+    assert (length == 0) == (len(history) < 4 or not occurs_before(history, 3))
+    assert length == 0 or (3 <= length <= 12 and occurs_before(history, length))
+    assert Repeats().length(history) == length
+
+
+def test_repeats_follows_a_loop_and_starts_over_on_a_shorter_history():
+    loop = [7, 8, 9, 10, 11]
+    history = [1, 2, 3] + loop * 4
+    repeats = Repeats()
+    lengths = [repeats.length(history[:i]) for i in range(1, len(history) + 1)]
+    assert lengths[:10] == [0] * 10  # the first pass of the loop is new text
+    assert lengths[10:] == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12, 12, 12]  # then it repeats, longer and longer
+    assert repeats.bucket(history) == 2 and repeats.bucket(history + [99]) == 0
+    assert repeats.length([1, 2, 3, 1, 2, 3]) == 3  # a new generation's history (shorter): indexed afresh
+
+
+class Text:
+    """A synthetic reply: new text (fresh tokens, which the drafter rarely guesses) and, now and then, a
+    loop (a phrase repeated, which it follows), on a CPU-like machine where a probe costs more than a plain
+    step. The drafter's acceptance depends only on whether the text repeats, as measured on the CPU pair."""
+
+    def __init__(self, seed: int):
+        self.rng, self.fresh = np.random.default_rng(seed), 1000
+        self.world = World(plain=0.05, drafter=0.08, per_token=0.004, alpha=0.0, seed=seed)
+
+    def reply(self, new: int, loop: int) -> list[int]:
+        phrase = list(range(self.fresh, self.fresh + 9))
+        out = list(range(self.fresh + 9, self.fresh + 9 + new))
+        self.fresh += 9 + new
+        return out + (phrase * (loop // 9 + 1))[:loop]
+
+    def decode(self, policy: AdaptiveDepth, prompt: list[int], reply: list[int], looping_from: int) -> tuple[int, float]:
+        """(tokens into the loop when the policy first drafts 8 or more there, seconds taken)."""
+        history, made, noticed, seconds = list(prompt), 0, None, 0.0
+        policy.start()
+        while made < len(reply):
+            k = policy.draft_length(history)
+            self.world.alpha = 0.97 if made >= looping_from + 9 else 0.05  # from the loop's second pass on
+            accepted, took = self.world.cycle(k)
+            accepted = min(accepted, len(reply) - made - 1)
+            policy.observe(k, accepted, took)
+            if noticed is None and k >= 8 and made >= looping_from:
+                noticed = made - looping_from
+            history += reply[made : made + accepted + 1]
+            made, seconds = made + accepted + 1, seconds + took
+        return (len(reply) if noticed is None else noticed), seconds
+
+
+def test_drafts_where_the_text_repeats_without_waiting_for_a_probe():
+    """Replies that open with new text and fall into a loop. Once it has seen a loop or two, the policy
+    keeps apart what it knows of repeating and of new text: it decodes the new text plainly and drafts
+    long blocks within a few tokens of a loop's second pass, where a policy blind to repeats waits for its
+    next probe; and it is faster for it."""
+    delays, times = {}, {}
+    for name, repeats in (("sees repeats", Repeats()), ("blind", Repeats(n=10**9))):
+        text, policy = Text(seed=11), AdaptiveDepth(15, repeats=repeats)
+        delays[name], times[name] = [], 0.0
+        for _ in range(12):
+            new = int(text.rng.integers(40, 80))
+            reply = text.reply(new, 120)
+            noticed, seconds = text.decode(policy, text.reply(20, 0), reply, new)
+            delays[name].append(noticed)
+            times[name] += seconds
+    assert np.median(delays["sees repeats"][4:]) <= 9 + 4, delays  # the loop's first pass is new text
+    assert np.median(delays["blind"][4:]) >= 9 + 12, delays
+    assert times["sees repeats"] < 0.9 * times["blind"], times
 
 
 def test_acceptance_estimate_per_position():
@@ -167,12 +249,13 @@ class Scripted:
     """A policy that drafts a given sequence of depths (cycling), as hypothesis draws them."""
 
     def __init__(self, depths: list[int]):
-        self.depths, self.i = depths, 0
+        self.depths, self.i, self.histories = depths, 0, []
 
     def start(self) -> None:
         pass
 
-    def draft_length(self, context_tokens: int) -> int:
+    def draft_length(self, history) -> int:
+        self.histories.append(list(history))
         self.i += 1
         return self.depths[(self.i - 1) % len(self.depths)]
 
@@ -193,9 +276,13 @@ def test_any_depth_sequence_is_lossless(pairs, looping, window, depths, max_toke
         ref_cache = (lambda: target.make_cache(window, 0, 1)) if window else (lambda: None)
         cache = make_cache(target, drafter, window=window, block_size=8)
         out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=8, eos_token_ids=[],
-                       window=window, cache=cache, policy=Scripted(depths))
+                       window=window, cache=cache, policy=(policy := Scripted(depths)))
         cache.check()
         assert out.tokens == plain_greedy(target.model, ids, max_tokens, prompt_cache=ref_cache())
+        told = policy.histories  # each decision saw the history so far: all but the newest token, on every path
+        emitted = np.cumsum([1] + [a + 1 for a in out.acceptance]).tolist()[: out.cycles]
+        assert [len(h) for h in told] == [len(ids) + e - 1 for e in emitted]
+        assert all(h == (ids + out.tokens)[: len(h)] for h in told)
         assert set(out.drafted) <= {min(d, 7) for d in depths} | set(range(8))
         follow = ids + out.tokens + tokenizer.encode(" and")
         out2 = generate(target, drafter, tokenizer, follow, max_tokens=20, block_size=8, eos_token_ids=[],
@@ -256,7 +343,7 @@ def test_a_new_prompt_probes_into_its_reply_and_a_whole_accept_looks_further():
         while not chosen[-1]:  # until just past a probe
             chosen += run(policy, bad, 1)
         interval = policy.probe_interval(1)
-        assert interval > 40 and policy.draft_length(0) == 0
+        assert interval > 40 and policy.draft_length([]) == 0
         if new_prompt:
             policy.start()
         chosen = run(policy, World(**world, alpha=0.97, seed=100 + seed), 150)
@@ -283,7 +370,7 @@ def test_probes_come_often_where_drafting_keeps_coming_back():
             policy.start()
             made, noticed = 0, None
             while made < tokens:
-                k = policy.draft_length(0)
+                k = policy.draft_length([])
                 accepted, took = world.cycle(k)
                 policy.observe(k, accepted, took)
                 if world is good and noticed is None and k >= 8:
