@@ -126,7 +126,8 @@ class Repeats:
     acceptance apart for each ``classes`` bucket of this length, so it can draft
     where the text repeats and decode plainly where it does not, without waiting
     for a probe to notice the change. Each new token costs a dict lookup; a new
-    generation indexes the last ``horizon`` tokens of its history once.
+    generation indexes the last ``horizon`` tokens of its history once, and a long
+    one again every ``3 * horizon`` tokens, which bounds the index.
     """
 
     n: int = 3  # the shortest repeat that counts
@@ -143,8 +144,8 @@ class Repeats:
 
     def length(self, history: Sequence[int]) -> int:
         """Length (``n`` .. ``long``) of the suffix of ``history`` seen earlier in it; 0 if none is."""
-        if len(history) < self._seen:
-            self.reset()
+        if len(history) < self._seen or len(history) - self._first > 4 * self.horizon:  # another history, or
+            self.reset()  # a long generation: indexed afresh over the last ``horizon`` tokens
         if self._seen == 0:
             self._first = self._seen = max(0, len(history) - self.horizon)
         for i in range(self._seen, len(history)):

@@ -168,6 +168,10 @@ def test_repeats_follows_a_loop_and_starts_over_on_a_shorter_history():
     assert lengths[10:] == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12, 12, 12]  # then it repeats, longer and longer
     assert repeats.bucket(history) == 2 and repeats.bucket(history + [99]) == 0
     assert repeats.length([1, 2, 3, 1, 2, 3]) == 3  # a new generation's history (shorter): indexed afresh
+    short = Repeats(horizon=8)
+    long = [1, 2, 3] + list(range(100, 140)) + [1, 2, 3]
+    assert [short.length(long[:i]) for i in range(1, len(long) + 1)][-1] == 0  # beyond the horizon: forgotten
+    assert len(short._ends) <= 4 * 8 and Repeats().length(long) == 3
 
 
 class Text:
