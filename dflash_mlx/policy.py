@@ -291,8 +291,13 @@ class AdaptiveDepth:
     how to answer), and the runs it follows come later (measured on chat replies:
     six to twelve rejected blocks, then full ones). Each prompt thus adds at most
     one probe, and a reply shorter than a quarter interval (a short answer at a
-    long context) none. The acceptance seen before a run of plain steps fades by
-    ``stale`` per step, so a probe after a long run weighs more.
+    long context) none. It does so only while drafting has paid (a cycle gave more
+    tokens than plain steps would have in its time) in at least ``min_paid`` of the
+    recent prompts (decaying by ``prompt_memory`` per prompt): with a drafter that
+    never pays, one probe per reply of 64 tokens at a 16k context cost 2-3%; now
+    such prompts stop bringing probes forward after about four. The acceptance seen
+    before a run of plain steps fades by ``stale`` per step, so a probe after a long
+    run weighs more.
 
     Acceptance is kept apart by how the text repeats itself (``Repeats.bucket``: the
     end of the history is new, repeats a short stretch, or a long one), and each
@@ -315,6 +320,8 @@ class AdaptiveDepth:
     max_probe: int = 1024
     stale: float = 0.995
     memory: float = 0.995
+    prompt_memory: float = 0.8
+    min_paid: float = 0.125
     agree: Optional[Callable[[list[float]], list[float]]] = None
     agree_every: int = 32
     repeats: Repeats = field(default_factory=Repeats)
@@ -326,6 +333,9 @@ class AdaptiveDepth:
     _waited: float = 200.0  # decaying count of plain cycles (a prior: none found in two hundred)
     _run: Optional[list[float]] = None  # the current run's [tokens, plain steps], when a probe started it
     _new_prompt: bool = False
+    _prompts: float = 1.0  # decaying count of prompts (a prior: one, in which drafting paid)
+    _paid: float = 1.0  # decaying count of the prompts in which a drafting cycle beat plain steps
+    _paid_now: bool = False
     _follow_up: int = 0
     _since_agreed: int = 0
     _bucket: int = 0  # how the history repeated itself at the last decision
@@ -405,7 +415,10 @@ class AdaptiveDepth:
         return 0
 
     def start(self) -> None:
-        self._new_prompt = True
+        self._prompts = self.prompt_memory * self._prompts + 1
+        self._paid *= self.prompt_memory
+        self._paid_now = False
+        self._new_prompt = self._paid >= self.min_paid * self._prompts
         self.repeats.reset()
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
@@ -425,6 +438,9 @@ class AdaptiveDepth:
                 self._run = None
         self.costs.update(drafted, seconds)
         self._refresh()
+        if drafted and self.seconds is not None and not self._paid_now:  # more tokens than plain steps in its time
+            self._paid_now = accepted + 1 > self.seconds[drafted] / self.seconds[0]
+            self._paid += self._paid_now
         if drafted and self.seconds is not None:
             if probing and self.best() > 0:
                 self._run = [0.0, 0.0]
