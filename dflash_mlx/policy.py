@@ -304,8 +304,8 @@ class AdaptiveDepth:
     decision goes by its bucket's. A reply that falls into a loop the drafter has
     followed before is drafted within a few tokens of the loop's second pass, not
     at the next probe, while the new text around it decodes plainly (measured on the
-    CPU pair's chat set: 0.94 to 0.98 of a full block's speed became about 1.0, with
-    no loss on its code set, where plain decoding stays the best path).
+    CPU pair's chat set: from 0.86-0.97 of a full block's speed to 1.07-1.24 in three
+    runs of four; on its code set plain decoding stays the best path).
 
     Decisions read the cost model through ``seconds``, its predictions, refreshed
     after every cycle. The ranks of a sharded target (``distributed``) see the same
