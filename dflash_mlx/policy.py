@@ -123,7 +123,7 @@ class Repeats:
     on the CPU pair of ``bench/build_pair.py``, a one-token draft was accepted
     26-38% of the time where the last three tokens had not occurred before, and
     84-94% where the last twelve had, in code and chat alike. The policy keeps its
-    acceptance apart for each ``classes`` bucket of this length, so it can draft
+    acceptance apart for each ``bucket`` of this length, so it can draft
     where the text repeats and decode plainly where it does not, without waiting
     for a probe to notice the change. Each new token costs a dict lookup; a new
     generation indexes the last ``horizon`` tokens of its history once, and a long
