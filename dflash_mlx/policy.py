@@ -131,7 +131,7 @@ class Repeats:
     """
 
     n: int = 3  # the shortest repeat that counts
-    long: int = 12  # from here on a repeat is a class of its own (and the length stops growing)
+    long: int = 12  # from here on a repeat is a bucket of its own (and the length stops growing)
     horizon: int = 4096
     _ends: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)  # n-gram -> index past its latest
     _first: int = 0  # the first token indexed
@@ -148,17 +148,13 @@ class Repeats:
             self.reset()  # a long generation: indexed afresh over the last ``horizon`` tokens
         if self._seen == 0:
             self._first = self._seen = max(0, len(history) - self.horizon)
-        for i in range(self._seen, len(history)):
-            token = history[i]
-            if self._length and history[self._next] == token:
+        for i in range(max(self._seen, self._first + self.n - 1), len(history)):
+            key = tuple(history[i - self.n + 1 : i + 1])
+            if self._length and history[self._next] == history[i]:  # the repeat goes on
                 self._length, self._next = min(self._length + 1, self.long), self._next + 1
-                key = tuple(history[i - self.n + 1 : i + 1])
-            elif i + 1 - self._first >= self.n:
-                key = tuple(history[i - self.n + 1 : i + 1])
+            else:
                 end = self._ends.get(key)
                 self._length, self._next = (0, 0) if end is None else (self.n, end)
-            else:
-                continue
             self._ends[key] = i + 1
         self._seen = len(history)
         return self._length
@@ -440,7 +436,8 @@ class AdaptiveDepth:
         self._refresh()
         if drafted and self.seconds is not None and not self._paid_now:  # more tokens than plain steps in its time
             self._paid_now = accepted + 1 > self.seconds[drafted] / self.seconds[0]
-            self._paid += self._paid_now
+            if self._paid_now:
+                self._paid += 1
         if drafted and self.seconds is not None:
             if probing and self.best() > 0:
                 self._run = [0.0, 0.0]
