@@ -35,7 +35,7 @@ import mlx.core as mx  # noqa: E402
 
 import dflash_mlx  # noqa: E402
 from dflash_mlx import fixtures  # noqa: E402
-from dflash_mlx.caches import RecurrentCache  # noqa: E402
+from dflash_mlx.caches import RecurrentCache, trim_to  # noqa: E402
 
 
 def build_hybrid(hidden: int, layers: int) -> Path:
@@ -128,7 +128,7 @@ def main() -> None:
             def cycle() -> None:
                 restore(cache, snapshot)
                 logits, _ = target(block, cache)
-                target.rollback(cache, B - keep)
+                trim_to(cache, cache[0].offset - (B - keep))
                 mx.eval(logits, [c.state for c in cache])
 
             costs[name] = median_time(cycle) - t_base

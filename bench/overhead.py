@@ -23,7 +23,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generation_stream  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx.target import Target  # noqa: E402
+from dflash_mlx.caches import trim_to  # noqa: E402
 
 
 def bare_forwards(target, drafter, ids: list[int], block_size: int, context: int) -> tuple[Callable, Callable]:
@@ -48,14 +48,14 @@ def bare_forwards(target, drafter, ids: list[int], block_size: int, context: int
             h = drafter(target.embed(mx.concatenate([last, masks])[None]), new_features, draft_cache)
             drafted = mx.argmax(target.lm_head(h[:, 1:]), axis=-1)[0]
         mx.eval(drafted)
-        Target.rollback(draft_cache, context)
+        trim_to(draft_cache, draft_cache[0].offset - context)
 
     def verify() -> None:
         with mx.stream(generation_stream):
             logits, _ = target(block[None], target_cache)
             verified = mx.argmax(logits[0], axis=-1)
         mx.eval(verified)
-        Target.rollback(target_cache, block_size)
+        trim_to(target_cache, target_cache[0].offset - block_size)
 
     return draft, verify
 

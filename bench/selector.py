@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 import dflash_mlx  # noqa: E402
 from dflash_mlx import fixtures  # noqa: E402
 from dflash_mlx.dflash2 import CODEBOOKS, DFlash2Args, DFlash2Drafter  # noqa: E402
-from dflash_mlx.target import Target  # noqa: E402
+from dflash_mlx.caches import trim_to  # noqa: E402
 
 # The Qwen3.8-27B-DFlash2 column of the reference table (and its 64-layer target's count).
 PUBLISHED = dict(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, vocab=248320, layers=5,
@@ -130,7 +130,7 @@ def published_shapes(args: argparse.Namespace) -> None:
         h = drafter.draft_hidden(head, anchor, features, cache, n)
         logits = drafter.compute_logits(head.lm_head(h))
         mx.eval(h, logits)
-        Target.rollback(cache, new_context)  # every repetition sees the same context
+        trim_to(cache, cache[0].offset - new_context)  # every repetition sees the same context
         out[:] = [h, logits]
 
     t_pass = median_time(drafter_pass, args.reps)

@@ -2,11 +2,11 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .drafter import Drafter, load_drafter
-from .errors import DFlashError
 from .caches import DFlashCache, make_cache
+from .drafter import Drafter
+from .errors import DFlashError
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate
-from .loader import load
+from .loader import load, load_drafter
 from .target import Target
 
 try:

@@ -23,12 +23,15 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from .chat_template import has_chat_template, prompt_ids
 from .errors import DFlashError
 from .files import write_atomic
 from .generate import generate
+from .system import install_hint
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from rich.console import Console
 
 BUILTIN_SETS = ("math", "code", "chat")
 # name -> (Hub dataset, config, split, field holding the prompt or the list of turns)
@@ -95,7 +98,7 @@ def fetch(name: str, limit: int) -> list[Conversation]:
     try:
         from datasets import load_dataset
     except ImportError:
-        raise DFlashError(f"--dataset {name} needs the datasets extra: pip install 'dflash-mlx[datasets]'") from None
+        raise DFlashError(f"--dataset {name} needs the datasets package: {install_hint('datasets', 'datasets')}") from None
     repo, config, split, field_name = DATASETS[name]
     try:
         rows = load_dataset(repo, config, split=split)
@@ -219,8 +222,7 @@ def measure(
         history: list[dict[str, str]] = []
         for turn, text in enumerate(conv.turns):  # multi-turn: later turns carry the replies
             history.append({"role": "user", "content": text})
-            ids = (tokenizer.apply_chat_template(history, add_generation_prompt=True)
-                   if tokenizer.has_chat_template else tokenizer.encode(text))
+            ids = prompt_ids(tokenizer, history if has_chat_template(tokenizer) else history[-1:])
             record = paired(conv.name, turn, ids)
             history.append({"role": "assistant", "content": tokenizer.decode(record["dflash"]["tokens"])})
     return records
@@ -250,6 +252,15 @@ def _record(name: str, turn: int, ids: list[int], runs: list[dict[str, Any]], te
         "identical": identical, "longest_repeat": longest, "distinct_4gram_ratio": distinct,
         "flagged": flags,
     }
+
+
+def flag_counts(records: list[dict[str, Any]]) -> str:
+    """How many prompts carry each flag, e.g. '20 degenerate loop, 1 differs from plain'."""
+    counts: dict[str, int] = {}
+    for r in records:
+        for flag in r["flagged"]:
+            counts[flag] = counts.get(flag, 0) + 1
+    return ", ".join(f"{n} {flag}" for flag, n in counts.items())
 
 
 def depths_text(histogram: list[int]) -> str:
@@ -283,6 +294,52 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def report(settings: dict[str, Any], records: list[dict[str, Any]], planned: int, interrupted: bool) -> dict[str, Any]:
+    """The ``--json`` object: the run's settings, the machine, the summary and every record."""
+    from .system import machine_description
+
+    return {**settings, "interrupted": interrupted, "measured": len(records), "planned": planned,
+            "machine": machine_description(), "summary": summarize(records), "records": records}
+
+
+def _label(record: dict[str, Any]) -> str:
+    return record["prompt"] + (f" t{record['turn']}" if record["turn"] else "")
+
+
+def print_report(report: dict[str, Any], out: "Console") -> None:
+    """The table (80 columns, nothing cut), each prompt's depths and flags, and the headline figures."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    records, summary = report["records"], report["summary"]
+    headers = ("prompt", "tokens", "plain tok/s", "dflash tok/s", "speedup", "tau", "prefill tok/s", "peak GB", "flag")
+    rows = [[_label(r), str(r["prompt_tokens"]), f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}",
+             f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}",
+             f"{r['dflash']['peak_memory_gb']:.2f}", "yes" if r["flagged"] else ""] for r in records]
+    table = Table(title=f"dflash vs plain decoding — {escape(report['model'])}", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, collapse_padding=True)
+    for i, header in enumerate(headers):
+        # Rich shrinks the widest column first and cuts it with "...". Fixed widths fit every cell whole (the
+        # prompt name unbroken, headers wrap between words), so 80 columns lose nothing; beyond that, cells fold.
+        width = max(len(word) for text in (header, *(row[i] for row in rows)) for word in ([text] if i == 0 else text.split()))
+        table.add_column(header, width=width, overflow="fold", justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*map(Text, row))
+    out.print(table, soft_wrap=False)
+    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step), and flags:")
+    for r in records:
+        flags = f"  flagged: {'; '.join(r['flagged'])}" if r["flagged"] else ""
+        out.print(f"  {escape(_label(r))}  {depths_text(r['depth_histogram'])}{flags}")
+    if summary["speedup"] is not None:
+        s, t = summary["speedup"], summary["tau"]
+        out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "
+                  f"tau median {t['median']:.2f} over {summary['prompts'] - summary['flagged']} prompts")
+    if summary["flagged"]:
+        out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
+
+
 def check_outputs(outputs: dict[str, Optional[str]], force: bool) -> None:
     """Fail on an output path that cannot be written, before minutes of measuring.
 
@@ -314,7 +371,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib.figure  # noqa: F401
     except ImportError:
-        raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
+        raise DFlashError(f"--plot needs matplotlib: {install_hint('plot', 'matplotlib')}") from None
 
 
 def figure(report: dict[str, Any]) -> "Figure":

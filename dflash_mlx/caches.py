@@ -264,6 +264,7 @@ class DFlashCache:
     block_size: int
     tokens: list[int] = field(default_factory=list)  # the committed history, in order
     fresh: Callable[[], tuple[list[Any], list[Any]]] = field(default=lambda: ([], []), repr=False)
+    pair: tuple[Any, Any] = field(default=(None, None), repr=False)  # the (target, drafter) it was made for
     _owner: object = field(default=None, repr=False)
     # Features the drafter has not seen, one array per commit: joined once, when the drafter takes them
     # (joining at every commit would copy the growing pending block again and again).
@@ -325,6 +326,12 @@ class DFlashCache:
             self.reset()
         if not self.tokens:
             self.reset()
+
+    def check_pair(self, target: Any, drafter: Any) -> None:
+        """Refuse to serve another pair: one of the same shapes would run on these caches and answer wrongly."""
+        if self.pair[0] is not target or self.pair[1] is not drafter:
+            raise DFlashError("this cache was made for another target/drafter pair: "
+                              "make one for this pair with make_cache(target, drafter)")
 
     def holds_lease(self, lease: object) -> bool:
         return self._owner is lease
@@ -415,4 +422,4 @@ def make_cache(
         return target.make_cache(window, sinks, slack=block_size), drafter_caches
 
     target_caches, drafter_caches = fresh()
-    return DFlashCache(target_caches, drafter_caches, window, sinks, block_size, fresh=fresh)
+    return DFlashCache(target_caches, drafter_caches, window, sinks, block_size, fresh=fresh, pair=(target, drafter))

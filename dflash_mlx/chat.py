@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from . import distributed
 from .caches import make_cache
+from .chat_template import has_chat_template, render
 from .errors import DFlashError
 from .files import write_atomic
 from .generate import GenerationResponse, GenerationResult, generate
@@ -24,6 +25,7 @@ from .generate import GenerationResponse, GenerationResult, generate
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
 HISTORY_LENGTH = 1000
 INTERRUPTED = "interrupted"  # the finish_reason of a reply that Ctrl-C cut short
+REPLY_MARKER = "\u27e6dflash-mlx reply\u27e7"  # stands in for the last reply when rendering what follows it
 
 
 @dataclass
@@ -43,18 +45,15 @@ class ChatSession:
     last: Optional[GenerationResult] = None
 
     def __post_init__(self) -> None:
-        if not getattr(self.tokenizer, "has_chat_template", False):
+        if not has_chat_template(self.tokenizer):
             raise DFlashError("the target's tokenizer has no chat template, so it cannot chat; "
                               "use `dflash-mlx generate --no-chat-template` for raw text")
         self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
         self.ids: Optional[list[int]] = None  # the conversation as the model saw and wrote it
 
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, str]]) -> str:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        kwargs = {} if self.think is None else {"enable_thinking": self.think}
-        return self.tokenizer.apply_chat_template(
-            system + messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
-        )
+        return render(self.tokenizer, system + messages, thinking=self.think, tokenize=False)
 
     def _prompt(self) -> list[int]:
         """Token ids for the next reply: the previous turns' own ids plus only the new part.
@@ -62,20 +61,20 @@ class ChatSession:
         Re-rendering the history as text would not give back the generated ids (text
         does not re-tokenize to the same ids, templates drop thinking from old turns),
         and the caches could then not be reused. So the new turn is appended to the ids
-        the model already holds: the template's end-of-turn text after the last reply,
-        then the new message and the generation prompt, as the template renders them.
+        the model already holds: what the template writes after the last reply (its
+        end-of-turn text, the new message, the generation prompt), found by rendering
+        the history with a marker in place of that reply. Searching for the reply's
+        own text instead finds it inside the template's text when it is short ("\n").
         """
         def encode(text: str) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=False)
 
-        full = self._render(self.messages, generation_prompt=True)
-        history, reply = self.messages[:-1], self.messages[-2]["content"] if len(self.messages) > 1 else ""
-        if self.ids is not None and reply:
-            before = self._render(history, generation_prompt=False)
-            end = before.rfind(reply)
-            if end >= 0 and full.startswith(before):
-                return self.ids + encode(before[end + len(reply) :] + full[len(before) :])
-        return encode(full)
+        if self.ids is not None and len(self.messages) > 1:
+            marked = self.messages[:-2] + [dict(self.messages[-2], content=REPLY_MARKER), self.messages[-1]]
+            text = self._render(marked)
+            if text.count(REPLY_MARKER) == 1:
+                return self.ids + encode(text.split(REPLY_MARKER)[1])
+        return encode(self._render(self.messages))
 
     def reply(self, text: str, on_response: Optional[Callable[[GenerationResponse], None]] = None) -> GenerationResult:
         """Answer one user message.

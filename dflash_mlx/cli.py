@@ -109,18 +109,52 @@ SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 VERIFY = typer.Option("rejection", "--verify", help="Sampled verification: rejection (accepts more) or match.")
 
 
-def _check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int, **sampling: Any) -> None:
-    """Fail on bad flag values before loading gigabytes of weights."""
+PREFILL_STEP = typer.Option(
+    None, "--prefill-step", help="Prefill this many tokens at a time \\[default: 2048, window/16 with --window]."
+)
+STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
+
+
+def _check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
+                   prefill_step_size: Optional[int] = None, **sampling: Any) -> None:
+    """Fail on bad flag values before loading gigabytes of weights (the window against the drafter's block after)."""
     from .caches import check_window
     from .sampling import Sampling
 
     if block_size is not None and block_size < 1:
         raise DFlashError(f"--block-size must be >= 1, got {block_size}")
+    if prefill_step_size is not None and prefill_step_size < 1:
+        raise DFlashError(f"--prefill-step must be >= 1, got {prefill_step_size}")
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
     if window is not None:
         check_window(window, sinks, block_size or 1)
     Sampling(**sampling)
+
+
+def _check_window(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
+    """Once the drafter is loaded: the window must hold the block it drafts."""
+    from .caches import check_window
+
+    if window is not None:
+        check_window(window, sinks, block_size or drafter.block_size)
+
+
+def _warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def _warn_blas() -> None:
+    """Every command that decodes says when this machine's BLAS will make it slow (Linux only).
+
+    ``DFLASH_MLX_BLAS_WARNING=0`` silences it, for those who know (the test suite, which
+    checks what else the commands print).
+    """
+    from .system import blas_check
+
+    verdict = blas_check()
+    if verdict is not None and verdict[0] != "ok" and os.environ.get("DFLASH_MLX_BLAS_WARNING") != "0":
+        _warn(verdict[1])
 
 
 @app.command()
@@ -133,38 +167,33 @@ def generate(
     block_size: Optional[int] = BLOCK_SIZE,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
-    prefill_step_size: Optional[int] = typer.Option(
-        None, "--prefill-step", help="Prefill this many tokens at a time \\[default: 2048, window/16 with --window]."
-    ),
+    prefill_step_size: Optional[int] = PREFILL_STEP,
     temperature: float = TEMP,
     top_p: float = TOP_P,
     top_k: int = TOP_K,
     min_p: float = MIN_P,
     seed: Optional[int] = SEED,
     verify: str = VERIFY,
+    stop: Optional[list[str]] = STOP,
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
-    from .generate import GenerationResponse, encode_prompt
+    from .chat_template import has_chat_template, render, user
+    from .generate import GenerationResponse, check_context, encode_prompt
     from .generate import generate as run
     from .loader import load
 
-    _check_options(block_size, max_tokens, window, sinks, temperature=temperature, top_p=top_p, top_k=top_k,
-                   min_p=min_p, seed=seed, verify=verify)
+    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, temperature=temperature, top_p=top_p,
+                   top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     if prompt == "-":
         prompt = sys.stdin.read()
     tgt, drafter, tokenizer = load(draft, target)
-    if chat_template and tokenizer.has_chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    else:
-        ids = encode_prompt(tokenizer, prompt)
-    limit = getattr(tgt.lm.args, "max_position_embeddings", None)
-    if limit is not None and len(ids) >= limit:
-        raise DFlashError(f"the prompt has {len(ids)} tokens; this model takes at most {limit} positions")
-    if limit is not None and len(ids) + max_tokens > limit:
-        err.print(f"[yellow]warning:[/] prompt ({len(ids)} tokens) + --max-tokens {max_tokens} runs past the model's "
-                  f"{limit} positions; it may degrade after that", soft_wrap=True)
+    _check_window(window, sinks, block_size, drafter)
+    _warn_blas()
+    ids = render(tokenizer, user(prompt)) if chat_template and has_chat_template(tokenizer) else encode_prompt(tokenizer, prompt)
+    if warning := check_context(tgt.max_positions, len(ids), max_tokens):
+        _warn(warning)
 
     def show(response: GenerationResponse) -> None:
         if not as_json:
@@ -175,7 +204,7 @@ def generate(
         result = run(
             tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
             window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify, stop=stop,
         )
     if as_json:
         peaks = distributed.gather(result.peak_memory)  # every rank's: the reason to shard is memory
@@ -276,7 +305,7 @@ def doctor(
     import mlx.core as mx
     from huggingface_hub import constants
 
-    from .system import OPENBLAS_FIX, blas_library, find_openblas, is_reference_blas, machine_description, openblas_spins
+    from .system import blas_check, machine_description
 
     if selftest:
         from .selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE, check_max_tokens
@@ -293,16 +322,10 @@ def doctor(
     if info["backend"] == "metal":
         memory = mx.device_info().get("memory_size", info["memory_bytes"]) / 2**30
     out.print(f"MLX backend   {backend} ({info['processor']}), {memory:.1f} GiB memory")
-    if sys.platform == "linux":
-        blas = blas_library() or "unknown"
-        if is_reference_blas():
-            fix = (f"run with LD_PRELOAD={find_openblas()} {OPENBLAS_FIX}" if find_openblas()
-                   else "apt-get install libopenblas0-pthread, then preload it (the bench scripts do)")
-            out.print(f"BLAS          [bold red]reference BLAS[/] {blas}: speculative decoding cannot win; {fix}")
-        elif openblas_spins():
-            out.print(f"BLAS          {blas}; [yellow]its idle threads spin and slow MLX's: set {OPENBLAS_FIX}[/]")
-        else:
-            out.print(f"BLAS          {blas} ({info['blas_env'] or 'default settings'})")
+    if (blas := blas_check()) is not None:
+        verdict, line = blas
+        style = {"reference": "bold red", "spins": "yellow"}.get(verdict)
+        out.print(f"BLAS          {f'[{style}]{escape(line)}[/]' if style else escape(line)}")
     out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
     group = distributed.describe()
     if group is not None:
@@ -365,6 +388,7 @@ def chat(
     min_p: float = MIN_P,
     seed: Optional[int] = SEED,
     verify: str = VERIFY,
+    stop: Optional[list[str]] = STOP,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
@@ -386,12 +410,12 @@ def chat(
         err.print(f"[yellow]warning:[/] {pair.drafter} was trained with thinking {pair.thinking}; "
                   f"--{'think' if think else 'no-think'} will lower acceptance")
     tgt, drafter, tokenizer = load(model, target)
-    if window is not None:
-        _check_options(block_size or drafter.block_size, max_tokens, window, sinks)
+    _check_window(window, sinks, block_size, drafter)
+    _warn_blas()
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
                           block_size=block_size, options=dict(max_tokens=max_tokens, temperature=temperature,
                                                               top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                                              verify=verify))
+                                                              verify=verify, stop=stop))
     interactive = sys.stdin.isatty()
     out = Console(highlight=False)
     if interactive:
@@ -430,6 +454,9 @@ def chat(
                 session.reply(text, on_response=show)
             except KeyboardInterrupt:
                 pass  # the reply stops; its figures so far follow, marked interrupted
+            except DFlashError as e:  # this message cannot be answered (too long, say); the chat goes on
+                err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+                continue
             sys.stdout.write("\n")
             sys.stdout.flush()
             stats = stats_line(session) if session.last else "interrupted before the first token"
@@ -458,14 +485,10 @@ def bench(
 
     Ctrl-C stops early and keeps (prints and writes) the prompts measured so far.
     """
-    from rich import box
     from rich.progress import Progress
-    from rich.table import Table
-    from rich.text import Text
 
     from . import bench as b
     from .loader import load
-    from .system import OPENBLAS_FIX, find_openblas, is_reference_blas, machine_description, openblas_spins
 
     _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
@@ -488,19 +511,11 @@ def bench(
         conversations = None  # fetched after the cheap checks
     else:
         b.fetch(dataset, num_prompts)  # raises the unknown-dataset error
-    if is_reference_blas():
-        fix = (f"LD_PRELOAD={find_openblas()} {OPENBLAS_FIX} dflash-mlx bench ..." if find_openblas()
-               else "apt-get install libopenblas0-pthread")
-        err.print(f"[bold red]WARNING: MLX runs on the reference BLAS: these numbers are meaningless for speculation. Fix: {fix}[/]",
-                  soft_wrap=True)
-    elif openblas_spins():
-        err.print("[yellow]warning: OpenBLAS's idle threads spin and slow MLX's own (DFlash more than plain "
-                  f"decoding): set {OPENBLAS_FIX}[/]", soft_wrap=True)
     tgt, drafter, tokenizer = load(model, target)
-    if window is not None:
-        _check_options(block_size or drafter.block_size, max_tokens, window, sinks)
+    _check_window(window, sinks, block_size, drafter)
+    _warn_blas()
     if lengths is not None:
-        conversations = b.context_prompts(tokenizer, lengths, getattr(tgt.lm.args, "max_position_embeddings", None))
+        conversations = b.context_prompts(tokenizer, lengths, tgt.max_positions)
     elif conversations is None:
         conversations = b.fetch(dataset, num_prompts)
     else:
@@ -525,40 +540,11 @@ def bench(
         err.print("[yellow]interrupted[/] before the first prompt was measured; nothing written")
         raise typer.Exit(130)
 
-    def label(r: dict[str, Any]) -> str:
-        return r["prompt"] + (f" t{r['turn']}" if r["turn"] else "")
-
-    summary = b.summarize(records)
-    out = Console(highlight=False, soft_wrap=True)  # lines too long for the terminal wrap instead of being cut
-    headers = ("prompt", "tokens", "plain tok/s", "dflash tok/s", "speedup", "tau", "prefill tok/s", "peak GB", "flag")
-    rows = [[label(r), str(r["prompt_tokens"]), f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}",
-             f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}",
-             f"{r['dflash']['peak_memory_gb']:.2f}", "yes" if r["flagged"] else ""] for r in records]
-    table = Table(title=f"dflash vs plain decoding — {escape(model)}", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  collapse_padding=True)
-    for i, header in enumerate(headers):
-        # Rich shrinks the widest column first and cuts it with "...". Fixed widths fit every cell whole (the
-        # prompt name unbroken, headers wrap between words), so 80 columns lose nothing; beyond that, cells fold.
-        width = max(len(word) for text in (header, *(row[i] for row in rows)) for word in ([text] if i == 0 else text.split()))
-        table.add_column(header, width=width, overflow="fold", justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*map(Text, row))
-    out.print(table, soft_wrap=False)
-    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step), and flags:")
-    for r in records:
-        flags = f"  flagged: {'; '.join(r['flagged'])}" if r["flagged"] else ""
-        out.print(f"  {escape(label(r))}  {b.depths_text(r['depth_histogram'])}{flags}")
-    if summary["speedup"] is not None:
-        s, t = summary["speedup"], summary["tau"]
-        out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "
-                  f"tau median {t['median']:.2f} over {summary['prompts'] - summary['flagged']} prompts")
-    if summary["flagged"]:
-        out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
-    report = {"model": model, "target": target, "window": window, "sinks": sinks, "block_size": block_size or drafter.block_size,
-              "policy": "fixed" if block_size else "adaptive",
-              "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset,
-              "interrupted": interrupted, "measured": len(records), "planned": planned,
-              "machine": machine_description(), "summary": summary, "records": records}
+    settings = {"model": model, "target": target, "window": window, "sinks": sinks,
+                "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
+                "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset}
+    report = b.report(settings, records, planned, interrupted)
+    b.print_report(report, Console(highlight=False, soft_wrap=True))  # long lines wrap instead of being cut
     peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)
     report["group"] = distributed.describe()
     report["rank_peak_memory_gb"] = [peak] if interrupted else distributed.gather(peak)  # ranks stop apart on Ctrl-C
@@ -685,48 +671,35 @@ def serve(
     block_size: Optional[int] = BLOCK_SIZE,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
+    prefill_step_size: Optional[int] = PREFILL_STEP,
 ) -> None:
     """Serve the pair over the OpenAI HTTP API (chat and text completions, streamed or not)."""
-    import threading
-    import time
-
-    try:
-        import uvicorn
-
-        from .server import Engine, create_app
-    except ImportError:
-        raise DFlashError("serve needs its HTTP stack: pip install 'dflash-mlx[serve]'") from None
     from .loader import load
     from .registry import default_pair
-    from .system import machine_description
+    from .system import install_hint, machine_description
 
-    _check_options(block_size, 1, window, sinks)
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise DFlashError(f"serve needs its HTTP stack: {install_hint('serve', 'starlette', 'uvicorn')}") from None
+    from .server import Engine
+    from .server import serve as run
+
+    _check_options(block_size, 1, window, sinks, prefill_step_size)
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
     if model is None:
         model = default_pair(machine_description()["memory_bytes"]).drafter
     with err.status(f"loading {escape(model)}"):
         tgt, drafter, tokenizer = load(model, target)
-    if window is not None or block_size is not None:
-        _check_options(block_size or drafter.block_size, 1, window, sinks)
-    engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size)
+    _check_window(window, sinks, block_size, drafter)
+    _warn_blas()
+    engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
+                    prefill_step_size=prefill_step_size)
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key), host=host, port=port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, name="dflash-mlx http", daemon=True)
-    http.start()
-    while not server.started and http.is_alive():
-        time.sleep(0.05)
-    if not server.started:  # uvicorn logs why (the port is taken, no such address) and gives up
-        raise DFlashError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
-    err.print(f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", soft_wrap=True)
-    try:
-        engine.run(serving=http.is_alive)
-    except KeyboardInterrupt:  # the way to stop a server: not an error
-        pass
-    finally:
-        server.should_exit = True
-        http.join(timeout=10)
+    run(engine, host, port, api_key, on_ready=lambda: err.print(
+        f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", soft_wrap=True))
     err.print("stopped")

@@ -25,9 +25,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import __version__
-from .drafter import load_drafter
 from .errors import DFlashError
-from .loader import cast_floats, check_pair, check_target_folder, resolve
+from .loader import cast_floats, check_pair, check_target_folder, load_drafter, resolve
 from .registry import MANIFEST, remember_bundle
 from .registry import resolve as registry_resolve
 from .target import Target

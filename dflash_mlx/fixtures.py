@@ -12,9 +12,10 @@ import importlib
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .drafter import Drafter, DrafterArgs
@@ -35,20 +36,27 @@ def _corpus() -> list[str]:
     return [inspect.getsource(m) for m in (m1, m2, m3, inspect)]
 
 
-def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
-    """Train a byte-level BPE tokenizer offline and save it as HF files. Returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def write_tokenizer(path: Path, vocab_size: int = 384, added: Sequence[str] = (),
+                    chat_template: str = CHAT_TEMPLATE) -> int:
+    """Train a byte-level BPE tokenizer offline and save it as HF files. Returns its size.
+
+    ``added`` pieces become tokens of their own after the trained vocabulary (ids from
+    ``vocab_size - len(added)`` on), as Qwen's ``<tool_call>`` and ``<think>`` are: the
+    tokenizer's ``vocab_size`` leaves them out, ``len(tokenizer)`` counts them.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(added),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
+    tok.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in added])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
@@ -58,7 +66,7 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "bos_token": None,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             }
         )
     )
@@ -162,8 +170,7 @@ def write_target(
     _save(path, weights)
     size = write_tokenizer(path, tokenizer_vocab or config["vocab_size"])
     assert size <= config["vocab_size"], "tokenizer larger than the model vocabulary"
-    eos = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
-    config = dict(config, eos_token_id=next(t["id"] for t in eos if t["content"] == "<|im_end|>"))
+    config = dict(config, eos_token_id=vocab_id(path, "<|im_end|>"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
@@ -322,3 +329,109 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
     _save(path, {k: v.astype(mx.bfloat16) for k, v in weights.items()})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+# Qwen3's tool format (tools listed in the system turn, calls as <tool_call> JSON, results as <tool_response>
+# in a user turn, <think> reasoning), for scripted targets. A scripted target sees only its last token, so the
+# generation prompt says which turn this is: "assistant[tools]" when tools are offered, "assistant[tool result]"
+# after a tool's result, and Qwen3's empty think block when thinking is switched off.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message.content or '' }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant' }}"
+    "{%- if messages[-1].role == 'tool' %}{{- '[tool result]' }}{%- elif tools %}{{- '[tools]' }}{%- endif %}"
+    "{{- '\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# What the scripted agent target answers (``write_scripted_target``), by the last token of the prompt.
+AGENT_SCRIPTS = {
+    "assistant\n": ["<think>", "\nThe user greets me; I greet back.\n", "</think>", "\n\nHello! I am a scripted model.",
+                    "<|im_end|>"],
+    "<think>\n\n</think>\n\n": ["Hello without thinking.", "<|im_end|>"],
+    "assistant[tools]\n": ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>",
+                           "<|im_end|>"],
+    "assistant[tool result]\n": ["It is 22 degrees in Paris.", "<|im_end|>"],
+}
+
+
+def write_scripted_target(
+    path: Path, scripts: dict[str, list[str]], chat_template: str = CHAT_TEMPLATE, config: Optional[dict] = None,
+    seed: int = 0,
+) -> Path:
+    """A target that answers by script: its greedy next token is a fixed function of the current one.
+
+    ``scripts`` maps the last piece of a prompt (the end of the generation prompt) to
+    the pieces the model answers with, each a token of its own (an added token of the
+    tokenizer, as Qwen's ``<tool_call>`` is), ending with an EOS piece. Every layer
+    adds nothing to the residual (zero output projections), so the final state is the
+    current token's embedding; the script's tokens have orthogonal embeddings and the
+    LM head maps each one to its successor (logit 12 against ~0 for the rest, with a
+    little noise so that no two logits tie). Real weights, real loader: a chat
+    template in Qwen3's tool format (``TOOLS_TEMPLATE``) then exercises tool calls and
+    reasoning end to end.
+    """
+    config = dict(config or target_config("qwen3"))
+    chain = {}
+    for start, pieces in scripts.items():
+        for current, following in zip([start, *pieces], pieces):
+            if chain.setdefault(current, following) != following:
+                raise ValueError(f"piece {current!r} is followed by two different pieces")
+    special = set(SPECIAL_TOKENS)
+    added = list(dict.fromkeys(p for p in [*chain, *chain.values()] if p not in special))
+    path.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(path, config["vocab_size"], added=added, chat_template=chat_template)
+    vocab = json.loads((path / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    hidden = config["hidden_size"]
+    if len(chain) > hidden:
+        raise ValueError(f"{len(chain)} scripted tokens need a hidden size of at least that, got {hidden}")
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    embed = np.array(weights["model.embed_tokens.weight"])
+    head = np.random.default_rng(seed).normal(0.0, 0.01, (config["vocab_size"], hidden)).astype(np.float32)
+    for k, current in enumerate(chain):  # one axis per scripted token: its state points there and nowhere else
+        embed[ids[current]] = 0.0
+        embed[ids[current], k] = hidden**0.5  # RMS 1, so the final norm keeps it
+        head[ids[chain[current]], k] = 12.0 / hidden**0.5
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    weights["model.embed_tokens.weight"] = mx.array(embed)
+    weights["lm_head.weight"] = mx.array(head)
+    _save(path, weights)
+    (path / "config.json").write_text(json.dumps(dict(config, eos_token_id=ids["<|im_end|>"]), indent=1))
+    return path
+
+
+def vocab_id(path: Path, piece: str) -> int:
+    """The id of a special or added token in the tokenizer written to ``path``."""
+    return next(t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"] if t["content"] == piece)

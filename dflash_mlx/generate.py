@@ -28,7 +28,8 @@ from .distributed import shared_seed
 from .drafter import Drafter
 from .errors import DFlashError
 from .policy import DraftPolicy, FixedBlock, adaptive_policy
-from .sampling import Proposal, Sampling, verify
+from .sampling import Proposal, Sampling, position_keys, sample_rows, verify
+from .stops import StopStrings, stop_list
 from .target import Target
 
 Prompt = Union[str, Sequence[int], mx.array]
@@ -55,7 +56,8 @@ class GenerationResponse:
     generation_tps: float  # tokens after the first, per second after the first
     peak_memory: float  # GB
     cache_bytes: int  # KV caches of target and drafter together
-    finish_reason: Optional[str] = None  # "stop" (EOS), "length" (max_tokens) or None
+    finish_reason: Optional[str] = None  # "stop" (EOS or a stop string), "length" (max_tokens) or None
+    stop_sequence: Optional[str] = None  # the stop string that ended generation (not in the text)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class GenerationResult:
     peak_memory: float
     acceptance: list[int] = field(default_factory=list)  # accepted drafts, per cycle
     drafted: list[int] = field(default_factory=list)  # drafts proposed, per cycle
+    stop_sequence: Optional[str] = None
 
     @classmethod
     def from_responses(cls, responses: list[GenerationResponse], finish_reason: Optional[str] = None) -> GenerationResult:
@@ -82,6 +85,7 @@ class GenerationResult:
             prompt_cached=last.prompt_cached, prompt_tps=last.prompt_tps, generation_tokens=last.generation_tokens,
             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
             acceptance=[r.accepted for r in cycles], drafted=[len(r.drafted) for r in cycles],
+            stop_sequence=last.stop_sequence,
         )
 
     @property
@@ -113,6 +117,7 @@ class GenerationResult:
             "text": self.text,
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
+            "stop_sequence": self.stop_sequence,
             "prompt_tokens": self.prompt_tokens,
             "prompt_cached": self.prompt_cached,
             "prompt_tps": self.prompt_tps,
@@ -147,6 +152,21 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     return ids
 
 
+def check_context(max_positions: Optional[int], prompt_tokens: int, max_tokens: int) -> Optional[str]:
+    """Refuse a prompt that fills the model's positions; a warning when the reply may run past them.
+
+    Every way in (generate, chat, serve) asks this one function, so they refuse the same inputs.
+    """
+    if max_positions is None:
+        return None
+    if prompt_tokens >= max_positions:
+        raise DFlashError(f"the prompt has {prompt_tokens} tokens; this model takes at most {max_positions} positions")
+    if prompt_tokens + max_tokens > max_positions:
+        return (f"prompt ({prompt_tokens} tokens) + max tokens ({max_tokens}) runs past the model's {max_positions} "
+                "positions; it may degrade after that")
+    return None
+
+
 def _cut(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int], Optional[str]]:
     """Tokens up to (not including) the first EOS, and at most ``budget`` of them."""
     for j, t in enumerate(tokens):
@@ -171,9 +191,11 @@ def _start_cycle(
     key: Optional[mx.array],
 ) -> _InFlight:
     """Build one cycle's graph (draft ``n_draft`` tokens, verify [last ; drafts]) and start evaluating it."""
-    k_draft = k_verify = None
+    k_draft = k_verify = row_keys = None
     if key is not None:
         k_draft, k_verify = mx.random.split(key)
+    if sampling.positional:  # the block's positions follow the committed history and ``last``
+        row_keys = position_keys(sampling.seed, len(cache.tokens) + 1, n_draft + 1)
     with mx.stream(generation_stream):
         proposal = None
         if n_draft:
@@ -186,7 +208,7 @@ def _start_cycle(
             cache.absorb_context(drafter)  # up, computed now, so that the next probe does not pay for the run
             absorbed = [c.state for c in cache.drafter]
         logits, features = target(block[None], cache.target)
-        accept, target_tokens = verify(sampling, proposal, logits[0], k_verify)
+        accept, target_tokens = verify(sampling, proposal, logits[0], k_verify, row_keys)
     mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed)
     return _InFlight(proposal, accept, target_tokens, features)
 
@@ -271,7 +293,12 @@ def _decode(
             key, first_key = mx.random.split(key)
         logits = _prefill(target, drafter, cache, prompt, prefill_step_size, progress)
         with mx.stream(generation_stream):
-            last = mx.argmax(logits, -1) if key is None else mx.random.categorical(sampling.logprobs(logits), key=first_key)
+            if key is None:
+                last = mx.argmax(logits, -1)
+            elif sampling.positional:
+                last = sample_rows(sampling.logprobs(logits), position_keys(sampling.seed, len(cache.tokens), 1))
+            else:
+                last = mx.random.categorical(sampling.logprobs(logits), key=first_key)
         last_id = last.item()
         tokens, reason = _cut([last_id], eos, max_tokens)
         emitted, drafted, accepted = len(tokens), [], 0
@@ -335,6 +362,7 @@ def stream_generate(
     verify: str = "rejection",
     cache: Optional[DFlashCache] = None,
     policy: Optional[DraftPolicy] = None,
+    stop: Union[None, str, Sequence[str]] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
@@ -343,8 +371,12 @@ def stream_generate(
     from the target's distribution after mlx-lm's ``top_p``/``min_p``/``top_k``
     filters, exactly: ``verify="rejection"`` (speculative sampling) or ``"match"``
     (keep drafts equal to target samples; accepts less). ``seed`` makes a run
-    reproducible. Generation stops after ``max_tokens`` tokens or before the first
-    EOS token (not emitted).
+    reproducible. Generation stops after ``max_tokens`` tokens, before the first
+    EOS token (not emitted) or before the first of the ``stop`` strings: that
+    string, and any text after it, is never in a response's text (text that could
+    begin one is held back until the next cycle decides it); the response that
+    ends on it has ``stop_sequence`` set, and its tokens end with the one that
+    completed the string. A prompt that fills the target's positions is refused.
 
     ``cache`` (from :func:`make_cache`, same window and block size) carries the
     caches across calls: when its tokens begin the new prompt, only the rest is
@@ -380,16 +412,19 @@ def stream_generate(
     if prefill_step_size < 1:
         raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
     ids = encode_prompt(tokenizer, prompt)
+    check_context(target.max_positions, len(ids), max_tokens)
+    stops = stop_list(stop)
     eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if cache is None:
         cache = make_cache(target, drafter, window, sinks, block_size)
-    elif (cache.window, cache.sinks, cache.block_size) != (window, sinks, block_size):
+    cache.check_pair(target, drafter)
+    if (cache.window, cache.sinks, cache.block_size) != (window, sinks, block_size):
         raise DFlashError(
             f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
             f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
         )
-    if policy is None:  # a seeded sampled run drafts full blocks: adaptive depths would change its draw
-        reproducible = seed is not None and not sampling.greedy
+    if policy is None:  # seeded rejection sampling drafts full blocks: adaptive depths would change its draw
+        reproducible = seed is not None and not sampling.greedy and not sampling.positional
         policy = FixedBlock(block_size) if pinned or reproducible else adaptive_policy(target, drafter, window, block_size)
     if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
@@ -403,21 +438,22 @@ def stream_generate(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps, first_time, generated = 0.0, 0.0, 0
+    stopper = StopStrings(stops) if stops else None
     with wired_limit(target.model, [generation_stream]), _release_buffers(), contextlib.closing(decoder):
         for i, cycle in enumerate(decoder):
             now = time.perf_counter()
             if i == 0:
                 prompt_tps = (len(ids) - reused) / (now - tic)
                 first_time = now
-            generated += len(cycle.tokens)
-            for t in cycle.tokens:
-                detokenizer.add_token(t)
-            if cycle.reason is not None:
-                detokenizer.finalize()
+            if stopper is None:
+                tokens, text, stopped = cycle.tokens, _detokenize(detokenizer, cycle.tokens, cycle.reason), None
+            else:
+                tokens, text, stopped = _detokenize_until_stop(detokenizer, stopper, cycle.tokens, cycle.reason)
+            generated += len(tokens)
             elapsed = now - first_time
             yield GenerationResponse(
-                text=detokenizer.last_segment,
-                tokens=cycle.tokens,
+                text=text,
+                tokens=tokens,
                 accepted=cycle.accepted,
                 drafted=cycle.drafted,
                 prompt_tokens=len(ids),
@@ -427,8 +463,39 @@ def stream_generate(
                 generation_tps=(generated - 1) / elapsed if elapsed > 0 and generated > 1 else 0.0,
                 peak_memory=mx.get_peak_memory() / 1e9,
                 cache_bytes=cycle.cache_bytes,
-                finish_reason=cycle.reason,
+                finish_reason="stop" if stopped is not None else cycle.reason,
+                stop_sequence=stopped,
             )
+            if stopped is not None:
+                return  # closing the decoder abandons its cycle in flight
+
+
+def _detokenize(detokenizer: Any, tokens: list[int], reason: Optional[str]) -> str:
+    """One cycle's new text."""
+    for t in tokens:
+        detokenizer.add_token(t)
+    if reason is not None:
+        detokenizer.finalize()
+    return detokenizer.last_segment
+
+
+def _detokenize_until_stop(
+    detokenizer: Any, stopper: StopStrings, tokens: list[int], reason: Optional[str]
+) -> tuple[list[int], str, Optional[str]]:
+    """One cycle's tokens up to the one that completes a stop string, the text that may be shown, the string."""
+    text = ""
+    for j, t in enumerate(tokens):
+        detokenizer.add_token(t)
+        piece, stopped = stopper.feed(detokenizer.last_segment)
+        text += piece
+        if stopped is not None:
+            return tokens[: j + 1], text, stopped
+    if reason is not None:  # the end: what the detokenizer still holds, then what the stop strings held back
+        detokenizer.finalize()
+        piece, stopped = stopper.feed(detokenizer.last_segment)
+        text += piece if stopped is not None else piece + stopper.flush()
+        return tokens, text, stopped
+    return tokens, text, None
 
 
 def generate(

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_map
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
 from . import distributed
-from .drafter import Drafter, load_drafter
+from .dflash2 import DFlash2Args, DFlash2Drafter
+from .drafter import Drafter, DrafterArgs
 from .errors import DFlashError
 from .registry import is_bundle
 from .registry import resolve as registry_resolve
@@ -24,6 +26,10 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # original/ and metal/), two to three times the download.
 DOWNLOAD_PATTERNS = [*DEFAULT_ALLOW_PATTERNS, "*.safetensors", "*.safetensors.index.json"]
 SKIPPED_PATTERNS = ["*/*"]
+# Drafter kinds by the ``architectures`` name in their config.json: the one place a kind is chosen.
+DRAFTER_KINDS = {"DFlashDraftModel": (DrafterArgs, Drafter), "DFlash2DraftModel": (DFlash2Args, DFlash2Drafter)}
+# What only a DFlash2 checkpoint has: loading it as v1 would silently drop the conv and the selector.
+DFLASH2_TENSORS = (".attention_conv.", ".mlp_conv.", "candidate_selector.")
 
 
 def resolve(name: str, what: str) -> Path:
@@ -64,6 +70,110 @@ def resolve(name: str, what: str) -> Path:
 def cast_floats(tree: Any, dtype: mx.Dtype) -> Any:
     """Floating-point leaves cast to ``dtype``; quantized (integer) weights untouched."""
     return tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, tree)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise DFlashError(f"{path} is not a DFlash drafter: it has no config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{config_file} is not valid JSON ({e})") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise DFlashError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise DFlashError(f"drafter shard missing in {path}: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"no safetensors weights in drafter folder {path}")
+    return files
+
+
+def load_weights(files: list[Path]) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises bare RuntimeError/ValueError on bad files
+            raise DFlashError(f"cannot read {f}: corrupt or not a safetensors file ({e})") from None
+    return weights
+
+
+def _check_tensors(model: Drafter, weights: dict[str, mx.array], path: Path) -> None:
+    """Name the first tensor that does not fit the config, with its expected shape, in one line."""
+    expected = dict(tree_flatten(model.parameters()))
+    prefix = f"drafter weights in {path} do not match its config:"
+    for name, value in expected.items():
+        if name not in weights:
+            raise DFlashError(f"{prefix} {name} is missing (expected shape {list(value.shape)})")
+        if weights[name].shape != value.shape:
+            raise DFlashError(f"{prefix} {name} has shape {list(weights[name].shape)}, expected {list(value.shape)}")
+    if extra := sorted(weights.keys() - expected.keys()):
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise DFlashError(f"{prefix} unexpected tensor {extra[0]}{more}")
+
+
+def _refuse_dflash2_as_v1(path: Path, architectures: list[str], names: Iterable[str]) -> None:
+    """A checkpoint with DFlash2 settings (dflash_config keys) or tensors must not load as v1."""
+    if any(n.startswith(("conv_", "selector_")) or any(m in n for m in DFLASH2_TENSORS) for n in names):
+        raise DFlashError(
+            f"{path} is a DFlash2 drafter (conv/selector settings or tensors) but its config says architectures "
+            f"{architectures or 'missing'}: set architectures to [\"DFlash2DraftModel\"]"
+        )
+
+
+def load_drafter(path: Path) -> Drafter:
+    """Load a z-lab DFlash or DFlash2 checkpoint folder exactly as published."""
+    config = _read_config(path)
+    architectures = config.get("architectures") or []
+    if "dflash_config" not in config and not set(architectures) & set(DRAFTER_KINDS):
+        raise DFlashError(
+            f"{path} is not a DFlash drafter (architectures {architectures or 'missing'}, "
+            "no dflash_config)"
+        )
+    unsupported = [a for a in architectures if a not in DRAFTER_KINDS]
+    if unsupported and not set(architectures) & set(DRAFTER_KINDS):
+        raise DFlashError(
+            f"drafter architecture {unsupported[0]} is not supported yet; "
+            f"supported: {', '.join(DRAFTER_KINDS)}"
+        )
+    kind = next((a for a in reversed(DRAFTER_KINDS) if a in architectures), "DFlashDraftModel")
+    args_class, model_class = DRAFTER_KINDS[kind]
+    if model_class is Drafter:
+        _refuse_dflash2_as_v1(path, architectures, config.get("dflash_config") or {})
+    try:
+        args = args_class.from_dict(config)
+        model = model_class(args)
+    except TypeError as e:
+        raise DFlashError(f"drafter config in {path} is incomplete ({e})") from None
+    _ = args.mask_token_id  # fail early when missing
+    if model.block_size < 1:
+        raise DFlashError(f"drafter block_size must be >= 1, got {model.block_size}")
+
+    weights = load_weights(_weight_files(path))
+    if model_class is Drafter:
+        _refuse_dflash2_as_v1(path, architectures, weights)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    if quant := config.get("quantization"):  # written by `dflash-mlx convert --draft-quantize`
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    _check_tensors(model, weights, path)
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
 
 
 def check_pair(target: Target, drafter: Drafter) -> None:

@@ -10,7 +10,10 @@ max(0, p - q); a fully accepted block adds a bonus token drawn from p. The emitt
 sequence is distributed exactly as the target's own sampling.
 
 ``verify="match"`` is the simpler exact scheme of the reference implementations:
-sample the target, keep drafts only while they equal those samples.
+sample the target, keep drafts only while they equal those samples. Seeded, it
+draws each position's token with a key of that position's own (``position_keys``),
+so the output is the same whatever the cycles drafted: plain sampling with those
+keys, which lets a seeded run keep the adaptive depth.
 """
 
 from __future__ import annotations
@@ -45,12 +48,20 @@ class Sampling:
             raise DFlashError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise DFlashError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise DFlashError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
         if self.verify not in VERIFY_MODES:
             raise DFlashError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def positional(self) -> bool:
+        """Seeded match sampling: each position's draw has its own key, so any depth gives the same tokens."""
+        return not self.greedy and self.seed is not None and self.verify == "match"
 
     def key(self) -> mx.array:
         """The generation's PRNG key: from ``seed``, or fresh each run."""
@@ -84,19 +95,46 @@ class Proposal(NamedTuple):
     logprobs: Optional[mx.array] = None
 
 
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: consecutive inputs give unrelated 64-bit outputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def position_keys(seed: int, first: int, n: int) -> mx.array:
+    """[n, 2] PRNG keys for the tokens at positions ``first .. first + n - 1`` of a seeded generation."""
+    words = []
+    for position in range(first, first + n):
+        x = _mix64((seed ^ _mix64(position + 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF)
+        words.append([x >> 32, x & 0xFFFFFFFF])
+    return mx.array(words, dtype=mx.uint32)
+
+
+def sample_rows(logprobs: mx.array, keys: mx.array) -> mx.array:
+    """One token per row of ``logprobs`` [n, V], row i drawn with ``keys[i]`` (Gumbel-max, as categorical)."""
+    noise = mx.stack([mx.random.gumbel(shape=logprobs.shape[-1:], key=keys[i]) for i in range(keys.shape[0])])
+    return mx.argmax(logprobs + noise, axis=-1)
+
+
 def verify(
-    sampling: Sampling, proposal: Optional[Proposal], logits: mx.array, key: Optional[mx.array]
+    sampling: Sampling, proposal: Optional[Proposal], logits: mx.array, key: Optional[mx.array],
+    row_keys: Optional[mx.array] = None,
 ) -> tuple[Optional[mx.array], mx.array]:
     """Check a proposal against the target's ``logits`` [k+1, V] for [last token ; drafts].
 
     Returns, per draft, whether it is accepted (None without a proposal) and, per
     block position, the target's token if the cycle stops there. The cycle keeps
     the drafts up to the first rejection, then the target's token at that position.
+    ``row_keys`` (seeded match sampling) draw each block position with its own key.
     """
     if sampling.greedy:
         target_tokens = mx.argmax(logits, axis=-1)
         return (None if proposal is None else proposal.tokens == target_tokens[:-1]), target_tokens
     p = sampling.logprobs(logits)
+    if row_keys is not None:
+        sampled = sample_rows(p, row_keys)
+        return (None if proposal is None else proposal.tokens == sampled[:-1]), sampled
     if proposal is None:
         return None, mx.random.categorical(p, key=key)
     if sampling.verify == "match":

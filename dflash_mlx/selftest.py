@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from . import bench
+from .chat_template import prompt_ids, user
 from .errors import DFlashError
 
 # Gap below which two tokens' logits count as a near-tie, by the dtype activations run in.
@@ -144,8 +145,7 @@ def selftest(
     conversations = []
     for conv in (bench.builtin(name)[0] for name in sets):
         text = conv.turns[0]
-        ids = (tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-               if tokenizer.has_chat_template else tokenizer.encode(text))
+        ids = prompt_ids(tokenizer, user(text))
         conversations.append(bench.Conversation(conv.name, [text], token_ids=ids))
     records = bench.measure(target, drafter, tokenizer, conversations, max_tokens=max_tokens, on_record=on_prompt)
     threshold = near_tie_threshold(target.dtype)

@@ -23,9 +23,12 @@ from typing import Any, AsyncIterator, Callable, Optional
 import mlx.core as mx
 
 from .caches import make_cache
+from .chat_template import has_chat_template, render
 from .distributed import from_main, from_main_bytes
 from .errors import DFlashError
-from .generate import GenerationResult, encode_prompt, stream_generate
+from .generate import GenerationResult, check_context, encode_prompt, stream_generate
+from .sampling import Sampling
+from .stops import stop_list
 
 MAX_BODY_BYTES = 4 * 2**20
 # Parameters that would change the answer and that we do not implement: refused, never ignored.
@@ -85,7 +88,7 @@ def _text(content: Any, where: str) -> str:
     raise APIError(400, f"{where} must be a string or a list of text parts", where)
 
 
-def parse(body: Any, chat: bool, tokenizer: Any, max_positions: Optional[int]) -> Completion:
+def parse(body: Any, chat: bool, tokenizer: Any, target: Any) -> Completion:
     """Check a request body the way the OpenAI API does; tokenize its prompt."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -102,55 +105,53 @@ def parse(body: Any, chat: bool, tokenizer: Any, max_positions: Optional[int]) -
                 raise APIError(400, f"messages[{i}] needs a role of system, user or assistant", "messages")
             role = "system" if m["role"] == "developer" else m["role"]
             turns.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
-        if not getattr(tokenizer, "has_chat_template", False):
+        if not has_chat_template(tokenizer):
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
-        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        ids = _checked(lambda: render(tokenizer, turns), "messages")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t < tokenizer.vocab_size for t in prompt):
-                raise APIError(400, "prompt token ids must be inside the vocabulary", "prompt")
+            if not all(0 <= t < target.vocab_size for t in prompt):  # the embedding's rows: added tokens included
+                raise APIError(400, f"prompt token ids must be from 0 to {target.vocab_size - 1}", "prompt")
         elif not isinstance(prompt, str) or not prompt:
             raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
         ids = encode_prompt(tokenizer, prompt)
-    limit = max_positions or 2**31
-    if len(ids) >= limit:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model takes at most {limit}", "messages"
-                       if chat else "prompt", "context_length_exceeded")
-    default = min(4096, limit - len(ids))
+    where = "messages" if chat else "prompt"
+    limit = target.max_positions or 2**31
+    _checked(lambda: check_context(limit, len(ids), 1), where, "context_length_exceeded")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default, int, 1, limit - len(ids))
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", min(4096, limit - len(ids)), int, 1,
+                         limit - len(ids))
+    stop = _checked(lambda: list(stop_list(body.get("stop"))), "stop")
+    if len(stop) > 4:
+        raise APIError(400, "stop takes up to 4 strings", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, "stream must be true or false", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, "seed must be an integer", "seed")
     sampling = {
         "temperature": _number(body, "temperature", 1.0, float, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, float, 0.0, 1.0),
         "top_k": _number(body, "top_k", 0, int, 0, 2**31),
         "min_p": _number(body, "min_p", 0.0, float, 0.0, 1.0),
-        "seed": seed,
+        "seed": body.get("seed"),
     }
     if sampling["top_p"] == 0.0:
         raise APIError(400, "top_p must be above 0", "top_p")
+    _checked(lambda: Sampling(**sampling), "seed")  # the one check that _number does not make
     return Completion(ids, max_tokens, sampling, stop, stream, bool(options.get("include_usage")), chat)
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of ``text`` could be the start of a stop string (not sent yet)."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
+def _checked(make: Callable[[], Any], param: str, code: Optional[str] = None) -> Any:
+    """``make()``, with the library's one-line DFlashError as an HTTP 400 naming ``param``."""
+    try:
+        return make()
+    except DFlashError as e:
+        raise APIError(400, str(e), param, code) from None
 
 
 @dataclass
@@ -180,11 +181,10 @@ class Engine:
     """
 
     def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
-                 sinks: int = 0, block_size: Optional[int] = None):
+                 sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
-        self.window, self.sinks, self.block_size = window, sinks, block_size
+        self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size)
         self.cache = make_cache(target, drafter, window, sinks, block_size)
-        self.max_positions = getattr(target.lm.args, "max_position_embeddings", None)
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.cancelled = 0  # requests whose client left before they finished
 
@@ -248,31 +248,30 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         c = job.completion
+
+        def prefilling(done: int, total: int) -> None:  # between prefill chunks: stop if the client left
+            if self._cancelled(job):
+                raise _ClientLeft
+
         responses = stream_generate(
-            self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, block_size=self.block_size,
-            window=self.window, sinks=self.sinks, cache=self.cache, **c.sampling,
+            self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, cache=self.cache, stop=c.stop,
+            prompt_progress_callback=prefilling, **self.options, **c.sampling,
         )
-        text, sent, reason, seen = "", 0, None, []
+        seen = []
         try:
             for r in responses:
                 seen.append(r)
-                text += r.text
-                cut = min((i for i in (text.find(s) for s in c.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, reason = text[:cut], "stop"
-                end = len(text) if reason or r.finish_reason else len(text) - _held_back(text, c.stop)
-                if end > sent:
-                    job.report("text", text[sent:end])
-                    sent = end
-                reason = reason or r.finish_reason
-                if reason:
+                if r.text:
+                    job.report("text", r.text)
+                if r.finish_reason:
                     break
                 if self._cancelled(job):
-                    self.cancelled += 1
-                    break
+                    raise _ClientLeft
+        except _ClientLeft:
+            self.cancelled += 1
         finally:
             responses.close()  # leaves the caches holding the committed history
-        if not seen:
+        if not seen or not seen[-1].finish_reason:
             job.report("done", None)
             return
         run = GenerationResult.from_responses(seen)
@@ -282,7 +281,11 @@ class Engine:
             "prompt_tokens_details": {"cached_tokens": run.prompt_cached},
             "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate},
         }
-        job.report("done", {"finish_reason": "length" if reason == "length" else "stop", "usage": usage})
+        job.report("done", {"finish_reason": run.finish_reason, "usage": usage})
+
+
+class _ClientLeft(Exception):
+    """Raised inside a generation (prefill included) whose client is gone: the generator abandons its cycle."""
 
 
 def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MAX_BODY_BYTES) -> Any:
@@ -321,7 +324,7 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
     async def completions(request: Request, chat: bool) -> Response:
         try:
             body = await read_json(request)
-            completion = parse(body, chat, engine.tokenizer, engine.max_positions)
+            completion = parse(body, chat, engine.tokenizer, engine.target)
         except APIError as e:
             return error(e)
         job = Job(completion, asyncio.get_running_loop())
@@ -422,3 +425,30 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
         ],
         exception_handlers={HTTPException: http_error},
     )
+
+
+def serve(engine: Engine, host: str, port: int, api_key: Optional[str] = None,
+          on_ready: Callable[[], None] = lambda: None) -> None:
+    """Listen on ``host:port`` in a thread and answer requests on this one, until Ctrl-C.
+
+    ``on_ready`` runs once the port is bound. A port in use (or an address that is
+    not this machine's) is a one-line DFlashError; Ctrl-C stops cleanly.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key), host=host, port=port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="dflash-mlx http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if not server.started:  # uvicorn logs why (the port is taken, no such address) and gives up
+        raise DFlashError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
+    on_ready()
+    try:
+        engine.run(serving=http.is_alive)
+    except KeyboardInterrupt:  # the way to stop a server: not an error
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)

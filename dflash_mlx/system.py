@@ -98,6 +98,20 @@ def _version(dist: str) -> Optional[str]:
         return None
 
 
+def install_hint(extra: str, *packages: str) -> str:
+    """How to install what an optional feature needs.
+
+    Never ``pip install 'dflash-mlx[...]'``: on PyPI that name is another DFlash port's,
+    which pip would install instead of (or over) this one.
+    """
+    return f"pip install {' '.join(packages)} (or, in a dflash-mlx checkout, pip install -e '.[{extra}]')"
+
+
+def _blas_env() -> str:
+    """The OpenBLAS settings of this process, as a user types them."""
+    return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OPENBLAS_"))
+
+
 def machine_description() -> dict[str, Any]:
     """Everything a benchmark number depends on besides the code, for its report."""
     import mlx.core as mx
@@ -114,7 +128,7 @@ def machine_description() -> dict[str, Any]:
     }
     if sys.platform == "linux":
         info["blas"] = blas_library()
-        info["blas_env"] = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OPENBLAS_"))
+        info["blas_env"] = _blas_env()
     return info
 
 
@@ -122,6 +136,26 @@ def openblas_spins() -> bool:
     """True when OpenBLAS serves MLX and its idle threads keep spinning (none of its thread settings made)."""
     lib = blas_library() or ""
     return "openblas" in lib and not any(k in os.environ for k in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS"))
+
+
+def blas_check() -> Optional[tuple[str, str]]:
+    """What MLX's BLAS means for speed here: (verdict, one line with the fix); None off Linux.
+
+    The verdict is "reference" (netlib's reference BLAS: a 16-token verify costs 16 plain
+    steps, so speculation cannot win), "spins" (OpenBLAS with idle threads that take a
+    core from MLX's own) or "ok". Every command that decodes warns on the first two.
+    """
+    if sys.platform != "linux":
+        return None
+    lib = blas_library() or "unknown"
+    if is_reference_blas():
+        openblas = find_openblas()
+        fix = (f"run with LD_PRELOAD={openblas} {OPENBLAS_FIX}" if openblas
+               else "apt-get install libopenblas0-pthread, then preload it (dflash-mlx doctor says how)")
+        return "reference", f"MLX runs on the reference BLAS {lib}: speculative decoding cannot win; {fix}"
+    if openblas_spins():
+        return "spins", f"OpenBLAS's idle threads spin and slow MLX's own ({lib}): set {OPENBLAS_FIX}"
+    return "ok", f"{lib} ({_blas_env() or 'default settings'})"
 
 
 def reexec_with_openblas() -> None:

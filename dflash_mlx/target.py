@@ -22,7 +22,7 @@ from mlx_lm.models.base import create_attention_mask, gather_last_axis
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .caches import RecurrentCache, WindowKVCache, trim_to
+from .caches import RecurrentCache, WindowKVCache
 from .errors import DFlashError
 
 # model_type values whose forward this adapter reproduces, each tested lossless.
@@ -144,7 +144,13 @@ class Target:
 
     @property
     def vocab_size(self) -> int:
+        """Rows of the embedding: every id the model takes, added tokens included."""
         return self.body.embed_tokens.weight.shape[0]
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """The most positions the model was made for (its config's max_position_embeddings), if it says."""
+        return getattr(self.lm.args, "max_position_embeddings", None)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -188,6 +194,9 @@ class Target:
     ) -> tuple[mx.array, mx.array]:
         """Logits and the concatenated features of ``layer_ids`` for ``tokens`` ([1, L]).
 
+        A layer's feature is its output, except the last layer's: that one is taken
+        after the final norm, as z-lab's code takes it (Transformers' last
+        ``hidden_states`` entry is normed), so a drafter trained there drafts the same.
         ``last_logits_only`` skips the vocabulary projection for all but the last
         position (prefill needs one next token, not L of them). ``undoable=False``
         (prefill) keeps no recurrent replay: the update cannot be rolled back.
@@ -207,13 +216,10 @@ class Target:
                 h = layer(h, masks[kind], c)
             if i in self._capture:
                 captured[i] = h
-        if last_logits_only:
-            h = h[:, -1:]
-        logits = self.lm_head(self.body.norm(h))
+        last = self.num_layers - 1
+        if last in self._capture:
+            captured[last] = h = self.body.norm(h)
+        else:
+            h = self.body.norm(h[:, -1:] if last_logits_only else h)
+        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
         return logits, mx.concatenate([captured[i] for i in self.layer_ids], axis=-1)
-
-    @staticmethod
-    def rollback(cache: list[Any], n: int) -> None:
-        """Forget the last ``n`` positions of every layer's cache (rejected draft tokens)."""
-        for c in cache:
-            trim_to([c], c.offset - n)

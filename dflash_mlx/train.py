@@ -50,11 +50,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator
 
-from .drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids, load_drafter
+from .drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids
+from .chat_template import prompt_ids, user
 from .errors import DFlashError
 from .files import write_atomic
-from .generate import encode_prompt, generate
-from .loader import load_target, cast_floats, check_pair, resolve
+from .generate import generate
+from .loader import cast_floats, check_pair, load_drafter, load_target, resolve
 from .target import Target
 
 Prompt = Union[str, list[dict[str, str]]]
@@ -159,10 +160,7 @@ def split_prompts(prompts: Sequence[Prompt], eval_prompts: int, seed: int) -> tu
 
 def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
     """A prompt's token ids as the target is asked it: through its chat template when it has one."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if getattr(tokenizer, "has_chat_template", False):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return encode_prompt(tokenizer, "\n".join(m["content"] for m in messages))
+    return prompt_ids(tokenizer, user(prompt) if isinstance(prompt, str) else prompt)
 
 
 def respond(

@@ -11,6 +11,10 @@ import pytest
 from dflash_mlx import fixtures, load
 from helpers import plain_greedy
 
+# The reference-BLAS warning of every decoding command has its own test (test_system.py); elsewhere it
+# would be one more stderr line in what the tests read.
+os.environ["DFLASH_MLX_BLAS_WARNING"] = "0"
+
 MAX_TOKENS = 200
 PROMPTS = ["def fibonacci(n):\n    return", "The quick brown fox", "import json\nimport os\n\nclass"]
 
@@ -67,3 +71,15 @@ def looping(tmp_path_factory):
     fixtures.write_constant_drafter(root / "constant", fixtures.drafter_config(config), root / "target", loop_token)
     target, drafter, tokenizer = load(str(root / "constant"), str(root / "target"))
     return target, drafter, tokenizer, ids, ref, loop_token
+
+
+@pytest.fixture(scope="session")
+def agent_dir(tmp_path_factory) -> Path:
+    """A scripted target in Qwen3's tool format (``fixtures.AGENT_SCRIPTS``: a think block then an answer, a tool
+    call when tools are offered, an answer after a tool's result), with a random drafter. Its script pieces are
+    added tokens, so their ids lie past the tokenizer's ``vocab_size``, as Qwen's ``<tool_call>`` does."""
+    root = tmp_path_factory.mktemp("agent")
+    config = fixtures.target_config("qwen3")
+    fixtures.write_scripted_target(root / "target", fixtures.AGENT_SCRIPTS, fixtures.TOOLS_TEMPLATE, config)
+    fixtures.write_drafter(root / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    return root

@@ -450,3 +450,23 @@ def test_target_without_chat_template_is_refused_in_one_line(models_dir, tmp_pat
     assert result.exit_code == 2
     assert result.stderr.strip() == ("error: the target's tokenizer has no chat template, so it cannot chat; "
                                      "use `dflash-mlx generate --no-chat-template` for raw text")
+
+
+@pytest.mark.parametrize("reply", ["end", ">", "\n"])
+def test_the_next_prompt_keeps_the_end_of_turn_whatever_the_reply(tmp_path, reply):
+    """A reply whose text also occurs in the template's end-of-turn text ("<|im_end|>\\n") must not splice it
+    out of the next prompt: turn 2's ids are exactly what the template renders for the conversation."""
+    from dflash_mlx import fixtures, load
+    from dflash_mlx.chat_template import render
+
+    config = fixtures.target_config("qwen3")
+    fixtures.write_scripted_target(tmp_path / "target", {"assistant\n": [reply, "<|im_end|>"]}, config=config)
+    fixtures.write_drafter(tmp_path / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    target, drafter, tokenizer = load(str(tmp_path / "draft"), str(tmp_path / "target"))
+    session = ChatSession(target, drafter, tokenizer, options={"max_tokens": 8})
+    assert session.reply("hello").text == reply
+    held = len(session.cache.tokens)  # the first prompt and the reply
+    session.reply("and again")
+    expected = render(tokenizer, session.messages[:3])
+    assert session.ids[: len(expected)] == expected
+    assert session.last.prompt_cached == held  # and the caches carried over

@@ -93,6 +93,25 @@ def test_prompt_longer_than_the_model(models_dir):
     assert result.exit_code == 0 and "runs past the model's 4096 positions" in result.stderr
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_a_seed_out_of_range_is_one_line(models_dir, seed):
+    base = ["generate", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "-p", "hi", "--temp", "1"]
+    _one_error_line(_run(*base, "--seed", seed), "seed must be an integer from 0 to 2**64 - 1")
+
+
+def test_generate_stops_before_a_stop_string(models_dir, pairs):
+    """--stop: the text ends just before the first stop string, which is never printed."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    base = ["generate", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "-p", "import json", "-m", "40"]
+    full = json.loads(_run(*base, "--json").stdout)["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    result = _run(*base, "--json", "--stop", stop, "--stop", "no such text")
+    out = json.loads(result.stdout)
+    assert out["text"] == full[: full.index(stop)] and out["finish_reason"] == "stop" and out["stop_sequence"] == stop
+    printed = _run(*base, "--stop", stop)
+    assert printed.stdout == full[: full.index(stop)] + "\n"
+
+
 # -- downloads --------------------------------------------------------------------
 
 def _hub_error(cls):

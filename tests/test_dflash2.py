@@ -14,7 +14,8 @@ from test_drafter import _rms, _rope
 
 from dflash_mlx import DFlashError, fixtures, generate, load
 from dflash_mlx.dflash2 import DFlash2Drafter
-from dflash_mlx.drafter import Drafter, DrafterArgs, load_drafter
+from dflash_mlx.drafter import Drafter, DrafterArgs
+from dflash_mlx.loader import load_drafter
 from dflash_mlx.loader import cast_floats
 from dflash_mlx.sampling import Sampling, verify_match, verify_rejection
 

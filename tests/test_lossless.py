@@ -6,7 +6,7 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import generate
+from dflash_mlx import generate, make_cache
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,30 @@ def test_eos_as_bonus_after_accepted_run(looping, block_size):
     assert out.tokens == ref[:end]
     assert out.finish_reason == "stop"
     assert responses[-1].accepted > 0  # the EOS came inside a block with accepted drafts
+
+
+@pytest.mark.parametrize("block_size", [4, 16, None])
+def test_a_stop_string_inside_an_accepted_run(looping, block_size):
+    """A stop string completed mid-block: the text ends before it, the tokens with the one completing it, the
+    caches hold the committed history, and the next call on them is lossless."""
+    target, drafter, tokenizer, ids, ref, loop_token = looping
+    full = tokenizer.decode(ref)
+    end = _first_run_end(ref, loop_token)
+    stop = tokenizer.decode(ref[end - 2 : end + 1])  # ends with the token after an accepted run
+    assert stop and stop in full
+    cache = make_cache(target, drafter, block_size=block_size)
+    responses = []
+    out = generate(target, drafter, tokenizer, ids, on_response=responses.append, max_tokens=MAX_TOKENS,
+                   block_size=block_size, eos_token_ids=[], stop=["never in this text", stop], cache=cache)
+    assert out.text == full[: full.index(stop)] and stop not in out.text
+    assert out.finish_reason == "stop" and out.stop_sequence == stop
+    assert out.tokens == ref[: len(out.tokens)] and stop in tokenizer.decode(out.tokens)
+    assert stop not in tokenizer.decode(out.tokens[:-1])  # the last token is the one that completed it
+    assert block_size is None or responses[-1].accepted > 0  # in a cycle with accepted drafts
+    cache.check()
+    again = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size,
+                     eos_token_ids=[], cache=cache)
+    assert again.tokens == ref and again.prompt_cached == len(ids) - 1
 
 
 def test_several_eos_ids(pairs, references):

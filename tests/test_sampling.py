@@ -79,8 +79,9 @@ T1, TOP_P = dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)
 @pytest.mark.parametrize(
     "drafter_name,settings,block_size",
     [("random", T1, 4), ("biased", T1, 4), ("random", TOP_P, 4), ("biased", TOP_P, 4), ("biased", T1, None),
-     ("dflash2", TOP_P, 4)],
-    ids=["t1-random", "t1-biased", "top_p0.9-random", "top_p0.9-biased", "t1-biased-adaptive", "top_p0.9-dflash2"],
+     ("dflash2", TOP_P, 4), ("biased", dict(T1, verify="match"), None)],
+    ids=["t1-random", "t1-biased", "top_p0.9-random", "top_p0.9-biased", "t1-biased-adaptive", "top_p0.9-dflash2",
+         "t1-biased-seeded-match-adaptive"],
 )
 def test_output_distribution_equals_plain_sampling(peaked, drafter_name, settings, block_size):
     pairs, ids = peaked
@@ -89,7 +90,8 @@ def test_output_distribution_equals_plain_sampling(peaked, drafter_name, setting
     plain = _plain_samples(target.model, ids, sampler, SAMPLES)
     ours, accepted = [], 0
     for i in range(SAMPLES):
-        policy = None if block_size else AdaptiveDepth(drafter.block_size - 1)  # seeded runs pin blocks otherwise
+        # Seeded rejection sampling pins full blocks; seeded match sampling (a key per position) stays adaptive.
+        policy = None if block_size or settings.get("verify") == "match" else AdaptiveDepth(drafter.block_size - 1)
         out = generate(target, drafter, tokenizer, ids, max_tokens=GENERATED, block_size=block_size, eos_token_ids=[],
                        seed=i, policy=policy, **settings)
         ours.append(tuple(out.tokens))
@@ -184,6 +186,25 @@ def test_temperature_zero_is_greedy(pairs):
     for verify in ("rejection", "match"):
         out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, eos_token_ids=[], temperature=0.0, verify=verify)
         assert out.tokens == ref
+
+
+@pytest.mark.parametrize("drafter_name", ["random", "biased"])
+def test_seeded_match_sampling_gives_the_same_tokens_at_every_depth(peaked, drafter_name):
+    """A key per position: the seeded output is plain sampling with those keys, whatever each cycle drafted, so a
+    seeded run keeps the adaptive depth and still reproduces."""
+    pairs, ids = peaked
+    target, drafter, tokenizer = pairs[drafter_name]
+    runs = {}
+    for block_size in (1, 2, 4, 16, None):
+        out = generate(target, drafter, tokenizer, ids, max_tokens=60, eos_token_ids=[], temperature=1.0, seed=11,
+                       verify="match", block_size=block_size)
+        runs[block_size] = out.tokens
+        if drafter_name == "biased" and block_size in (4, 16):
+            assert sum(out.acceptance) > 0  # drafts were accepted: the cycles really differed
+    assert all(tokens == runs[1] for tokens in runs.values())
+    other = generate(target, drafter, tokenizer, ids, max_tokens=60, eos_token_ids=[], temperature=1.0, seed=12,
+                     verify="match")
+    assert other.tokens != runs[1]
 
 
 def test_seed_reproducible(pairs):

@@ -13,7 +13,7 @@ import httpx2 as httpx
 import pytest
 from helpers import plain_greedy
 
-from dflash_mlx import generate
+from dflash_mlx import generate, load
 
 openai = pytest.importorskip("openai")
 
@@ -27,10 +27,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(models_dir, *extra) -> tuple[subprocess.Popen, str]:
+def _start(models_dir, *extra, draft: str = "qwen3-dflash", target: str = "qwen3") -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(models_dir / "qwen3-dflash"),
-           "--target", str(models_dir / "qwen3"), "--port", str(port), *extra]
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(models_dir / draft),
+           "--target", str(models_dir / target), "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -187,6 +187,8 @@ def test_multi_turn_reuses_the_cache(client):
     (json.dumps({"model": "x", "messages": "hi"}).encode(), 400, "messages"),
     (json.dumps({"model": "x", "messages": MESSAGES, "max_tokens": -1}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "x", "messages": MESSAGES, "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "temperature": 1, "seed": -1}).encode(), 400, "seed"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "temperature": 1, "seed": 2**64}).encode(), 400, "seed"),
     (b"[1, 2]", 400, None),
     (b"x" * (5 * 2**20), 413, None),
 ])
@@ -227,3 +229,45 @@ def test_port_in_use_and_bad_model_are_one_line_errors(server, models_dir):
         done = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
         lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_token_id_prompts_may_hold_added_tokens(agent_dir):
+    """Ids are checked against the embedding's rows: an added token (Qwen's <|im_start|>, <tool_call>) lies past
+    the tokenizer's vocab_size, and the same prompt sent as text is accepted, so its ids must be too."""
+    target, drafter, tokenizer = load(str(agent_dir / "draft"), str(agent_dir / "target"))
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert max(ids) >= tokenizer.vocab_size  # "assistant\n" is an added token
+    proc, url = _start(agent_dir, draft="draft", target="target")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(model="any", prompt=ids, max_tokens=20, temperature=0)
+        assert out.choices[0].text == generate(target, drafter, tokenizer, ids, max_tokens=20).text
+        assert out.choices[0].text.startswith("<think>")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [target.vocab_size], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    finally:
+        _ctrl_c(proc, url)
+
+
+def test_a_client_that_leaves_during_prefill_stops_it(models_dir, pairs):
+    """Prefill stops at the next chunk once the client is gone: the next request does not wait for all of it,
+    and the chunks done stay in the cache."""
+    _, _, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 400)[:3000]
+    proc, url = _start(models_dir, "--prefill-step", "64")  # ~4 s of prefill on this machine
+    try:
+        body = {"prompt": ids, "max_tokens": 5, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60):
+            time.sleep(0.3)  # the engine is prefilling; the client leaves
+        for _ in range(300):
+            health = httpx.get(f"{url}/health").json()
+            if health["cancelled"] == 1:
+                break
+            time.sleep(0.05)
+        assert health["cancelled"] == 1
+        assert 0 < health["cached_tokens"] < len(ids) // 2  # stopped between chunks, what was done kept
+        out = httpx.post(f"{url}/v1/completions", json={"prompt": ids[:10], "max_tokens": 3, "temperature": 0},
+                         timeout=60)
+        assert out.status_code == 200
+    finally:
+        _ctrl_c(proc, url)

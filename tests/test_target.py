@@ -22,16 +22,36 @@ def test_logits_equal_model_forward(pairs, name):
         np.testing.assert_array_equal(np.array(logits), np.array(expected))
 
 
+def _reference_hidden_states(target, tokens):
+    """Transformers' ``hidden_states`` as z-lab's code reads them: the embeddings, every layer's output but the
+    last, then the last layer's output after the final norm (index i + 1 is layer i's feature)."""
+    from mlx_lm.models.base import create_attention_mask
+
+    h = target.body.embed_tokens(tokens)
+    mask = create_attention_mask(h, None)
+    states = [h]
+    for layer in target.body.layers:
+        h = layer(h, mask, None)
+        states.append(h)
+    states[-1] = target.body.norm(h)
+    return states
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
-def test_features_are_layer_outputs(pairs, name):
-    """Capturing the last layer: final norm + head over that feature gives the logits."""
+def test_features_are_the_reference_hidden_states(pairs, name):
+    """Layer i's feature is its output, the last layer's after the final norm (z-lab's extraction): so the head
+    over the last layer's feature gives the logits, and a drafter trained on it drafts as the reference does."""
     target, _, _ = pairs[name]
-    last = Target(target.model, [target.num_layers - 1])
+    n = target.num_layers
     tokens = mx.array([[1, 2, 3, 4, 5]])
+    states = _reference_hidden_states(target, tokens)
+    last = Target(target.model, [n - 1])
     logits, feats = last(tokens, last.make_cache())
-    np.testing.assert_allclose(
-        np.array(last.lm_head(target.body.norm(feats))), np.array(logits), rtol=1e-5, atol=1e-5
-    )
+    np.testing.assert_allclose(np.array(last.lm_head(feats)), np.array(logits), rtol=1e-5, atol=1e-5)
+    some = Target(target.model, [0, n // 2, n - 1])
+    _, got = some(tokens, some.make_cache())
+    expected = mx.concatenate([states[i + 1] for i in (0, n // 2, n - 1)], axis=-1)
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-5)
     both = Target(target.model, [0, target.num_layers - 1])
     _, feats2 = both(tokens, both.make_cache())
     assert feats2.shape[-1] == 2 * target.hidden_size

@@ -300,3 +300,17 @@ def test_plain_decoding_keeps_the_drafter_context_caught_up(pairs, window):
     fresh = list(stream_generate(target, drafter, tokenizer, follow, max_tokens=24, **opts))
     assert [r.drafted for r in reused] == [r.drafted for r in fresh]
     assert [t for r in reused for t in r.tokens] == [t for r in fresh for t in r.tokens]
+
+
+def test_a_cache_serves_only_the_pair_it_was_made_for(models_dir, pairs):
+    """Another pair of the very same shapes would run on these caches and answer wrongly: refused in one line."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    twin = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"))
+    ids = tokenizer.encode(PROMPTS[0])
+    cache = make_cache(target, drafter)
+    generate(target, drafter, tokenizer, ids, max_tokens=8, cache=cache)
+    for other in ((twin[0], drafter), (target, twin[1])):
+        with pytest.raises(DFlashError, match="made for another target/drafter pair"):
+            generate(*other, tokenizer, ids, max_tokens=8, cache=cache)
+    cache.check()
+    assert generate(target, drafter, tokenizer, ids, max_tokens=8, cache=cache).prompt_cached == len(ids) - 1

@@ -1,0 +1,89 @@
+"""Turning messages into the prompt a model was trained on: its chat template, in one place.
+
+Every command renders prompts here (generate, chat, serve, bench, selftest, train), so the
+thinking switch, tools and template errors behave the same everywhere. Rendering goes
+through mlx-lm's tokenizer wrapper, which knows each family's name for the thinking switch
+and templates that are Python functions rather than Jinja.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .errors import DFlashError
+from .generate import encode_prompt
+
+Messages = Sequence[dict[str, Any]]
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "has_chat_template", False))
+
+
+def render(
+    tokenizer: Any,
+    messages: Messages,
+    *,
+    tools: Optional[Sequence[dict[str, Any]]] = None,
+    thinking: Optional[bool] = None,
+    add_generation_prompt: bool = True,
+    tokenize: bool = True,
+    template_kwargs: Optional[dict[str, Any]] = None,
+) -> Any:
+    """The conversation through the model's chat template: token ids, or the text with ``tokenize=False``.
+
+    ``thinking`` sets the template's thinking switch (None: the template's default);
+    ``template_kwargs`` are passed to the template as they are (a server's
+    ``chat_template_kwargs``). A template that rejects the conversation (Qwen's
+    raise_exception for a misplaced system message, say) is a one-line DFlashError.
+    """
+    if not has_chat_template(tokenizer):
+        raise DFlashError("this model has no chat template: send raw text (generate --no-chat-template, "
+                          "/v1/completions)")
+    kwargs = dict(template_kwargs or {})
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking
+    if tools:
+        kwargs["tools"] = list(tools)
+    try:
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                            tokenize=tokenize, **kwargs)
+    except DFlashError:
+        raise
+    except Exception as e:  # jinja2's TemplateError, or a Python template's own exception
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DFlashError(f"the chat template rejected this conversation: {reason}") from None
+    return list(out) if tokenize else out
+
+
+def prompt_ids(tokenizer: Any, messages: Messages, *, thinking: Optional[bool] = None) -> list[int]:
+    """Ids to ask the model with: through its chat template, or the messages' text, one per line, when it has none."""
+    if has_chat_template(tokenizer):
+        return render(tokenizer, messages, thinking=thinking)
+    return encode_prompt(tokenizer, "\n".join(str(m["content"]) for m in messages))
+
+
+def user(text: str) -> list[dict[str, str]]:
+    """A conversation of one user message."""
+    return [{"role": "user", "content": text}]
+
+
+def read_template(value: str) -> str:
+    """``--chat-template``'s value: a file's text when it names a file, else the template itself.
+
+    A value that looks like a path (no Jinja in it) but names no file is refused, so a
+    typo never becomes a template that prints the path.
+    """
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise DFlashError(f"--chat-template {value}: no such file (give a template file, or the template's text)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DFlashError(f"cannot read chat template {path}: {getattr(e, 'strerror', None) or e}") from None
+    if "{{" not in text and "{%" not in text:
+        raise DFlashError(f"{path} is not a chat template (no Jinja tags in it)")
+    return text
