@@ -4,19 +4,26 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install chat bench clean
+.PHONY: test install chat pair bench clean
 
 install: $(STAMP)
 
+# An install of this project from before its rename (distribution "dflash-mlx") is removed first.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip uninstall -q -y dflash-mlx 2>/dev/null || true
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# Install, then chat with the default published pair that fits this machine.
+# Install, then chat: with the published pair that fits this machine, or MODEL (a folder, bundle or registry name;
+# TARGET when MODEL is a drafter alone). Offline: `make pair` builds a local pair and says what to pass.
 chat: $(STAMP)
-	$(VENV)/bin/dflash-mlx chat
+	$(VENV)/bin/dflash-mlx chat $(MODEL) $(if $(TARGET),--target $(TARGET))
+
+# A small trained pair built offline from Python's own sources (about an hour on 2 cores), as a bundle.
+pair: $(STAMP)
+	$(PY) bench/build_pair.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -8,9 +8,14 @@
    decoding and DFlash side by side, greedy, tokens compared.
 
 The pair is cached in bench/.cache/pair-.../ (target/, draft/) and reused; other benchmarks
-can load it with dflash_mlx.load(".../draft", ".../target").
+can load it with dflash_mlx.load(".../draft", ".../target"). It is also written as a converted
+bundle, bench/.cache/pair-.../bundle, which every command takes alone (`dflash-mlx chat BUNDLE`,
+`make chat MODEL=BUNDLE`) and `dflash-mlx models` lists.
 
-    python bench/build_pair.py [--target-minutes 10] [--draft-minutes 6] [--hidden 256] [--layers 4] [--prompts 1500]
+Training runs for a number of tokens and steps, not minutes, so a busy or slow machine builds the same pair,
+only later (a time budget once built a target that had collapsed into loops).
+
+    python bench/build_pair.py [--target-tokens 2400000] [--draft-steps 1100] [--hidden 256] [--layers 4] [--prompts 1500]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import sysconfig  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -35,6 +41,7 @@ from mlx_lm.models import qwen3  # noqa: E402
 
 import dflash_mlx  # noqa: E402
 from dflash_mlx import bench, fixtures  # noqa: E402
+from dflash_mlx.convert import convert  # noqa: E402
 from dflash_mlx.train import train  # noqa: E402
 
 SEQ = 256
@@ -58,12 +65,23 @@ def write_tokenizer(path: Path, files: list[Path], vocab: int) -> None:
     tok.train_from_iterator((p.read_text(errors="ignore") for p in files), trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
+    write_tokenizer_config(path)
+
+
+# The target is a base model of Python code: its "chat" is the conversation's text, one message per line, which
+# it continues. With a template, `dflash-mlx chat`, `serve`'s /v1/chat/completions and chat clients can use it.
+CHAT_TEMPLATE = "{%- for m in messages %}{{- m['content'] }}{%- if not loop.last %}{{- '\\n' }}{%- endif %}{%- endfor %}"
+
+
+def write_tokenizer_config(path: Path) -> None:
+    """The tokenizer's settings, chat template included (rewritten on every run: older builds had no template)."""
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": None}))
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": None,
+         "chat_template": CHAT_TEMPLATE}))
 
 
-def train_target(path: Path, files: list[Path], hidden: int, layers: int, vocab: int, minutes: float) -> None:
-    """Next-token training from scratch, AdamW with warmup and cosine decay, for a time budget."""
+def train_target(path: Path, files: list[Path], hidden: int, layers: int, vocab: int, budget: int) -> None:
+    """Next-token training from scratch, AdamW with warmup and cosine decay, over ``budget`` tokens."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -75,7 +93,6 @@ def train_target(path: Path, files: list[Path], hidden: int, layers: int, vocab:
         tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=eos,
     )
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    budget = minutes * 60
     peak = 2e-3
     optimizer = optim.AdamW(learning_rate=peak, weight_decay=0.05)
     rng = np.random.default_rng(0)
@@ -87,9 +104,9 @@ def train_target(path: Path, files: list[Path], hidden: int, layers: int, vocab:
     step_fn = nn.value_and_grad(model, loss_fn)
     start, step, seen = time.perf_counter(), 0, 0
     print(f"target: {sum(v.size for _, v in tree_flatten(model.parameters())) / 1e6:.1f}M parameters, "
-          f"{len(ids) / 1e6:.2f}M training tokens, {minutes:g} min", flush=True)
-    while (elapsed := time.perf_counter() - start) < budget:
-        frac = elapsed / budget
+          f"{len(ids) / 1e6:.2f}M distinct training tokens, {budget / 1e6:g}M tokens of training", flush=True)
+    while seen < budget:
+        frac = seen / budget
         optimizer.learning_rate = peak * (min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac)))
         starts = rng.integers(0, len(ids) - SEQ - 1, size=16)
         x = mx.array(np.stack([ids[s : s + SEQ + 1] for s in starts]))
@@ -117,8 +134,8 @@ def prompts(files: list[Path], n: int, seed: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target-minutes", type=float, default=10)
-    parser.add_argument("--draft-minutes", type=float, default=6)
+    parser.add_argument("--target-tokens", type=int, default=2_400_000, help="tokens the target trains on")
+    parser.add_argument("--draft-steps", type=int, default=1100, help="drafter training steps")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
@@ -130,23 +147,24 @@ def main() -> None:
     # The middle layer and the last: the last one's features lifted held-out tau from 1.57 to 1.81
     # over the published rule's middle layer alone (1,484 prompts, 6 min each, same target).
     layer_ids = sorted({max(0, args.layers // 2 - 1), args.layers - 1})
-    folder = CACHE / (f"pair-h{args.hidden}-l{args.layers}-v{args.vocab}-t{args.target_minutes:g}"
-                      f"-d{args.draft_minutes:g}-p{args.prompts}-f{'.'.join(map(str, layer_ids))}")
+    folder = CACHE / (f"pair-h{args.hidden}-l{args.layers}-v{args.vocab}-t{args.target_tokens}"
+                      f"-d{args.draft_steps}-p{args.prompts}-f{'.'.join(map(str, layer_ids))}")
     target, draft = folder / "target", folder / "draft"
     train_files, held_out = sources(False), sources(True)
     tic = time.perf_counter()
     if not (target / "config.json").is_file():
         shutil.rmtree(target, ignore_errors=True)
         write_tokenizer(target, train_files, args.vocab)
-        train_target(target, train_files, args.hidden, args.layers, args.vocab, args.target_minutes)
+        train_target(target, train_files, args.hidden, args.layers, args.vocab, args.target_tokens)
     if not (draft / "config.json").is_file():
         (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(train_files, args.prompts, 0)))
         result = train(str(target), str(draft), prompts=str(folder / "prompts.jsonl"), layers=1, target_layer_ids=layer_ids,
-                       block_size=args.block_size, time_budget=args.draft_minutes * 60, eval_prompts=16,
+                       block_size=args.block_size, steps=args.draft_steps, eval_prompts=16,
                        response_tokens=args.max_tokens, resume=(draft / "checkpoint").is_dir(),
                        progress=lambda e: e.get("phase") == "train" and e["step"] % 50 == 0 and print(
                            f"  drafter step {e['step']}: loss {e['loss']:.3f}, {e['tokens_per_s']:.0f} tok/s", flush=True))
         print(f"drafter: {result.steps} steps, held-out tau {result.tau:.2f}", flush=True)
+    write_tokenizer_config(target)
     print(f"pair ready in {folder} ({(time.perf_counter() - tic) / 60:.1f} min this run)")
 
     tgt, drafter, tokenizer = dflash_mlx.load(str(draft), str(target))
@@ -159,11 +177,18 @@ def main() -> None:
     for r in records:
         print(f"{r['prompt']:>12} | {r['plain']['decode_tps']:>11.1f} | {r['dflash']['decode_tps']:>12.1f} | "
               f"{r['speedup']:>6.2f}x | {r['tau']:>5.2f} | {'OK' if r['identical'] else 'NO':>4} | {'; '.join(r['flagged'])}")
-    if summary["speedup"]:
-        s, t = summary["speedup"], summary["tau"]
-        print(f"\nheld-out, greedy, block {args.block_size}: speedup median {s['median']:.2f}x "
-              f"(min {s['min']:.2f}, max {s['max']:.2f}), tau median {t['median']:.2f} "
-              f"(min {t['min']:.2f}, max {t['max']:.2f}); {summary['flagged']} of {summary['prompts']} prompts flagged")
+    if summary["speedup"] is None:  # a target that collapsed into loops (trained on a busy machine, say)
+        sys.exit(f"\nUNUSABLE PAIR: all {summary['prompts']} held-out replies were flagged ({bench.flag_counts(records)}), "
+                 f"so no figure of it means anything; delete {folder} and build again on a quiet machine")
+    s, t = summary["speedup"], summary["tau"]
+    print(f"\nheld-out, greedy, block {args.block_size}: speedup median {s['median']:.2f}x "
+          f"(min {s['min']:.2f}, max {s['max']:.2f}), tau median {t['median']:.2f} "
+          f"(min {t['min']:.2f}, max {t['max']:.2f}); {summary['flagged']} of {summary['prompts']} prompts flagged")
+    bundle = folder / "bundle"
+    if not (bundle / "dflash.json").is_file():
+        convert(str(draft), str(bundle), target=str(target), dtype="float32")
+    print(f"\nthe pair as one bundle: {bundle}\n  chat with it:  make chat MODEL={bundle}\n"
+          f"  benchmark it:  dflash-mlx bench {bundle} --dataset {folder / 'heldout.jsonl'}")
 
 
 if __name__ == "__main__":

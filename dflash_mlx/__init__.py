@@ -7,10 +7,11 @@ from .drafter import Drafter
 from .errors import DFlashError
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate
 from .loader import load, load_drafter
+from .system import DISTRIBUTION
 from .target import Target
 
 try:
-    __version__ = version("dflash-mlx")
+    __version__ = version(DISTRIBUTION)
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 

@@ -291,6 +291,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             histogram += [0] * (k + 1 - len(histogram))
             histogram[k] += count
     summary["acceptance_histogram"] = histogram
+    summary["plain_steps"] = sum(r["depth_histogram"][0] for r in kept if r["depth_histogram"])  # in histogram[0]
     return summary
 
 
@@ -336,7 +337,10 @@ def print_report(report: dict[str, Any], out: "Console") -> None:
         s, t = summary["speedup"], summary["tau"]
         out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "
                   f"tau median {t['median']:.2f} over {summary['prompts'] - summary['flagged']} prompts")
-    if summary["flagged"]:
+    if summary["flagged"] and summary["speedup"] is None:
+        out.print(f"[bold red]no usable figure: all {summary['flagged']} prompts were flagged ({flag_counts(records)}); "
+                  "none of these numbers is a speedup[/]")
+    elif summary["flagged"]:
         out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
 
 
@@ -390,6 +394,7 @@ def figure(report: dict[str, Any]) -> "Figure":
     title = (f"{report['model']}  |  window {window}  |  block {report['block_size']} ({report['policy']})\n"
              f"{machine['processor']} ({machine['backend']})  |  BLAS {blas}")
     kept = sorted((r for r in report["records"] if not r["flagged"]), key=lambda r: r["prompt_tokens"])
+    dropped = [r for r in report["records"] if r["flagged"]]
     if not kept:
         fig = Figure(figsize=(8, 3))
         fig.suptitle(title, fontsize=9)
@@ -398,24 +403,37 @@ def figure(report: dict[str, Any]) -> "Figure":
                "loop),\nso there is nothing honest to plot: see the flags in the table or the JSON")
         fig.text(0.5, 0.45, why, ha="center", va="center", fontsize=11)
         return fig
-    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    fig = Figure(figsize=(14, 4.6 if dropped else 4.2), layout="constrained")
     fig.suptitle(title, fontsize=9)
     speed_ax, tau_ax, hist_ax = fig.subplots(1, 3)
     x = [r["prompt_tokens"] for r in kept]
-    speed_ax.plot(x, [r["speedup"] for r in kept], "o-", label="dflash / plain decode tok/s")
+    speedups, taus = [r["speedup"] for r in kept], [r["tau"] for r in kept]
+    speed_ax.plot(x, speedups, "o-", label="dflash / plain decode tok/s")
     speed_ax.axhline(1.0, color="gray", linestyle="--", label="1.0x: no gain")
-    speed_ax.set(xlabel="prompt tokens", ylabel="speedup (x)", title="speedup")
+    speed_ax.set(xlabel="prompt tokens", ylabel="speedup (x)", title="speedup", ylim=(0, max(1.2, *speedups) * 1.1))
     speed_ax.legend(fontsize=8)
-    tau_ax.plot(x, [r["tau"] for r in kept], "s-", color="tab:orange")
-    tau_ax.set(xlabel="prompt tokens", ylabel="tokens per cycle", title="tau")
+    tau_ax.plot(x, taus, "s-", color="tab:orange")
+    # tau is at least 1 (the target's own token) and at most the block: a nearly flat tau stays flat on this axis
+    tau_ax.set(xlabel="prompt tokens", ylabel="tokens per cycle", title="tau", ylim=(0.9, max(2.0, *taus) * 1.1))
     for ax in (speed_ax, tau_ax):
         ax.grid(alpha=0.3)
     hist = report["summary"]["acceptance_histogram"]
+    plain = report["summary"].get("plain_steps", 0)  # cycles that drafted nothing: counted at 0 accepted
     bins = range(max(report["block_size"], len(hist)))  # a block drafts block_size - 1 tokens: 0..block_size-1 accepted
-    hist_ax.bar(bins, [hist[k] if k < len(hist) else 0 for k in bins], width=0.8)
+    counts = [hist[k] if k < len(hist) else 0 for k in bins]
+    hist_ax.bar(bins, [c - plain if k == 0 else c for k, c in enumerate(counts)], width=0.8, label="drafting cycles")
+    if plain:
+        hist_ax.bar([0], [plain], bottom=[counts[0] - plain], width=0.8, color="lightgray", hatch="//",
+                    label="plain decoding steps")
+        hist_ax.legend(fontsize=8)
     hist_ax.set_xticks(list(bins))
     hist_ax.set_xlim(-0.5, len(bins) - 0.5)
     hist_ax.set(xlabel="accepted drafts per cycle", ylabel="cycles", title="acceptance")
+    if dropped:  # a point missing from the curves is said, with why
+        names = "; ".join(f"{r['prompt']} ({', '.join(r['flagged'])})" for r in dropped[:6])
+        more = f"; and {len(dropped) - 6} more" if len(dropped) > 6 else ""
+        fig.supxlabel(f"left out, flagged: {len(dropped)} of {len(report['records'])} prompts: {names}{more}",
+                      fontsize=8, color="tab:red")
     return fig
 
 

@@ -36,6 +36,15 @@ def check_window(window: int, sinks: int = 0, block_size: int = 1) -> None:
         raise DFlashError(f"sinks ({sinks}) must be smaller than the window ({window})")
 
 
+def check_block_size(block_size: int, drafter: Any) -> None:
+    """A block of 1 up to the one the drafter was trained for: beyond it, it drafts masks it never learnt."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if block_size > drafter.block_size:
+        raise DFlashError(f"block size {block_size} is larger than the block this drafter was trained for "
+                          f"({drafter.block_size}): use {drafter.block_size} or less")
+
+
 class WindowKVCache(_BaseCache):
     step = 256
 
@@ -414,6 +423,7 @@ def make_cache(
 ) -> DFlashCache:
     """Empty caches for generations of this pair with these settings (see ``stream_generate``)."""
     block_size = drafter.block_size if block_size is None else block_size
+    check_block_size(block_size, drafter)
     if window is not None:
         check_window(window, sinks, block_size)
 

@@ -20,11 +20,10 @@ from .caches import make_cache
 from .chat_template import has_chat_template, render
 from .errors import DFlashError
 from .files import write_atomic
-from .generate import GenerationResponse, GenerationResult, generate
+from .generate import INTERRUPTED, GenerationResponse, GenerationResult, generate
 
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
 HISTORY_LENGTH = 1000
-INTERRUPTED = "interrupted"  # the finish_reason of a reply that Ctrl-C cut short
 REPLY_MARKER = "\u27e6dflash-mlx reply\u27e7"  # stands in for the last reply when rendering what follows it
 
 
@@ -43,11 +42,12 @@ class ChatSession:
     options: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, ... for generate()
     messages: list[dict[str, str]] = field(default_factory=list)
     last: Optional[GenerationResult] = None
+    replies: list[GenerationResult] = field(default_factory=list)  # this conversation's, for its totals
 
     def __post_init__(self) -> None:
         if not has_chat_template(self.tokenizer):
-            raise DFlashError("the target's tokenizer has no chat template, so it cannot chat; "
-                              "use `dflash-mlx generate --no-chat-template` for raw text")
+            raise DFlashError("the target's tokenizer has no chat template, so it cannot chat: give one with "
+                              "--chat-template FILE, or use `dflash-mlx generate --no-chat-template` for raw text")
         self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
         self.ids: Optional[list[int]] = None  # the conversation as the model saw and wrote it
 
@@ -101,6 +101,8 @@ class ChatSession:
             )
         except KeyboardInterrupt:
             self.last = _cut_short(responses)
+            if self.last is not None:
+                self.replies.append(self.last)
             received = [t for r in responses for t in r.tokens]
             self.ids = self._interrupted_history(prompt, received)
             reply = self.tokenizer.decode(self.ids[len(prompt) :]) if self.ids != prompt + received else None
@@ -111,6 +113,7 @@ class ChatSession:
             raise
         self.messages.append({"role": "assistant", "content": self.last.text})
         self.ids = prompt + self.last.tokens
+        self.replies.append(self.last)
         return self.last
 
     def _interrupted_history(self, prompt: list[int], received: list[int]) -> list[int]:
@@ -131,6 +134,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages.clear()
+        self.replies.clear()
         self.last = None
         self.ids = None
         self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
@@ -203,7 +207,7 @@ def line_editing() -> Iterator[None]:
 HELP = """commands:
   /reset          forget the conversation
   /system TEXT    set the system prompt (and reset)
-  /stats          statistics of the last reply
+  /stats          totals of this conversation
   /save FILE      save the conversation as JSON
   /load FILE      load a conversation saved with /save
   /quit, /exit    leave (also Ctrl-D; Ctrl-C twice at an empty prompt)
@@ -218,6 +222,23 @@ def stats_line(session: ChatSession) -> str:
     stopped = f"interrupted after {len(r.tokens)} tok | " if r.finish_reason == INTERRUPTED else ""
     return (f"{stopped}{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
             f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok")
+
+
+def totals_line(session: ChatSession) -> str:
+    """The conversation's figures on one line: every reply's tokens, cycles and time together."""
+    replies = session.replies
+    tokens = sum(r.generation_tokens for r in replies)
+    seconds = sum((r.generation_tokens - 1) / r.generation_tps for r in replies if r.generation_tps > 0)
+    steps = sum(r.generation_tokens - 1 for r in replies if r.generation_tps > 0)
+    cycles = sum(r.cycles for r in replies)
+    tau = sum(a + 1 for r in replies for a in r.acceptance) / cycles if cycles else 0.0
+    drafted = sum(sum(r.drafted) for r in replies)
+    accepted = 100 * sum(sum(r.acceptance) for r in replies) / drafted if drafted else 0.0
+    prefilled = sum(r.prompt_tokens - r.prompt_cached for r in replies)
+    context = f"{session.context_tokens}" + (f" (window {session.window})" if session.window else "")
+    return (f"{len(replies)} {'reply' if len(replies) == 1 else 'replies'}, {tokens} tok @ "
+            f"{steps / seconds if seconds else 0.0:.1f} tok/s | tau {tau:.2f} | accepted {accepted:.0f}% | "
+            f"context {context} tok | prefilled {prefilled} tok in all")
 
 
 def run_command(session: ChatSession, line: str, out: Console) -> bool:
@@ -236,7 +257,7 @@ def run_command(session: ChatSession, line: str, out: Console) -> bool:
         session.reset()
         out.print("[dim]system prompt set; conversation reset[/]")
     elif command == "/stats":
-        out.print(escape(stats_line(session)) if session.last else "[dim]no reply yet[/]", soft_wrap=True)
+        out.print(escape(totals_line(session)) if session.replies else "[dim]no reply yet[/]", soft_wrap=True)
     elif command in ("/save", "/load"):
         if not arg:
             out.print(f"[red]usage: {command} FILE[/]")

@@ -39,8 +39,8 @@ def render(
     raise_exception for a misplaced system message, say) is a one-line DFlashError.
     """
     if not has_chat_template(tokenizer):
-        raise DFlashError("this model has no chat template: send raw text (generate --no-chat-template, "
-                          "/v1/completions)")
+        raise DFlashError("this model has no chat template: give one with --chat-template FILE, or send raw "
+                          "text (generate --no-chat-template, /v1/completions)")
     kwargs = dict(template_kwargs or {})
     if thinking is not None:
         kwargs["enable_thinking"] = thinking

@@ -112,6 +112,9 @@ VERIFY = typer.Option("rejection", "--verify", help="Sampled verification: rejec
 PREFILL_STEP = typer.Option(
     None, "--prefill-step", help="Prefill this many tokens at a time \\[default: 2048, window/16 with --window]."
 )
+TEMPLATE = typer.Option(
+    None, "--chat-template", help="A chat template, as a Jinja file or its text, for a model without one (or instead of its own)."
+)
 STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
 
 
@@ -132,12 +135,40 @@ def _check_options(block_size: Optional[int], max_tokens: int, window: Optional[
     Sampling(**sampling)
 
 
-def _check_window(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
-    """Once the drafter is loaded: the window must hold the block it drafts."""
-    from .caches import check_window
+def _check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
+    """Once the drafter is loaded: a block it was trained for, and a window that holds it."""
+    from .caches import check_block_size, check_window
 
+    if block_size is not None:
+        check_block_size(block_size, drafter)
     if window is not None:
         check_window(window, sinks, block_size or drafter.block_size)
+
+
+def _load(model: Optional[str], target: Optional[str], chat_template: Optional[str] = None) -> tuple[str, Any, Any, Any]:
+    """(name, target, drafter, tokenizer) of MODEL, or of the published pair that fits this machine.
+
+    ``chat_template`` is the --chat-template value (a file or the text). Offline, the
+    default pair cannot be downloaded: the error then says how to build and use a local one.
+    """
+    from .chat_template import read_template
+    from .errors import DownloadError
+    from .loader import load
+    from .registry import default_pair
+    from .system import machine_description
+
+    template = read_template(chat_template) if chat_template is not None else None
+    default = model is None
+    if default:
+        model = default_pair(machine_description()["memory_bytes"]).drafter
+        err.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
+    try:
+        return (model, *load(model, target, template))
+    except DownloadError as e:
+        if not default:
+            raise
+        raise DFlashError(f"{e}; offline, `make pair` builds a small local pair and prints the command to chat "
+                          "with it (`make chat MODEL=FOLDER`)") from None
 
 
 def _warn(message: str) -> None:
@@ -175,61 +206,75 @@ def generate(
     seed: Optional[int] = SEED,
     verify: str = VERIFY,
     stop: Optional[list[str]] = STOP,
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap the prompt in the model's chat template."),
+    chat_template: Optional[str] = TEMPLATE,
+    raw: bool = typer.Option(False, "--no-chat-template", help="Send the prompt as raw text, without the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
     from .chat_template import has_chat_template, render, user
-    from .generate import GenerationResponse, check_context, encode_prompt
+    from .generate import INTERRUPTED, GenerationResponse, GenerationResult, check_context, encode_prompt
     from .generate import generate as run
-    from .loader import load
 
     _check_options(block_size, max_tokens, window, sinks, prefill_step_size, temperature=temperature, top_p=top_p,
                    top_k=top_k, min_p=min_p, seed=seed, verify=verify)
+    if raw and chat_template is not None:
+        raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
         prompt = sys.stdin.read()
-    tgt, drafter, tokenizer = load(draft, target)
-    _check_window(window, sinks, block_size, drafter)
+    _, tgt, drafter, tokenizer = _load(draft, target, chat_template)
+    _check_loaded(window, sinks, block_size, drafter)
     _warn_blas()
-    ids = render(tokenizer, user(prompt)) if chat_template and has_chat_template(tokenizer) else encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt) if raw or not has_chat_template(tokenizer) else render(tokenizer, user(prompt))
     if warning := check_context(tgt.max_positions, len(ids), max_tokens):
         _warn(warning)
 
+    responses: list[GenerationResponse] = []
+
     def show(response: GenerationResponse) -> None:
+        responses.append(response)
         if not as_json:
             sys.stdout.write(response.text)
             sys.stdout.flush()
 
-    with prefill_progress() as progress:
-        result = run(
-            tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
-            window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify, stop=stop,
-        )
+    interrupted = False
+    try:
+        with prefill_progress() as progress:
+            run(tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
+                window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify, stop=stop)
+    except KeyboardInterrupt:  # what was generated is kept: printed, and in the JSON marked interrupted
+        interrupted = True
+    result = GenerationResult.from_responses(responses, INTERRUPTED if interrupted else None) if responses else None
     if as_json:
-        peaks = distributed.gather(result.peak_memory)  # every rank's: the reason to shard is memory
-        typer.echo(json.dumps(result.to_dict() | {"group_size": len(peaks), "rank_peak_memory_gb": peaks}))
-        return
-    sys.stdout.write("\n")
-    err.print(
-        f"[dim]prompt {result.prompt_tokens} tok @ {result.prompt_tps:.1f} tok/s | "
-        f"generated {result.generation_tokens} tok @ {result.generation_tps:.1f} tok/s | "
-        f"tau {result.tau:.2f} | peak {result.peak_memory:.2f} GB | {result.finish_reason}[/]",
-        soft_wrap=True,
-    )
+        figures = result.to_dict() if result else {"text": "", "tokens": [], "finish_reason": INTERRUPTED}
+        peak = result.peak_memory if result else 0.0
+        peaks = [peak] if interrupted else distributed.gather(peak)  # every rank's: the reason to shard is memory
+        typer.echo(json.dumps(figures | {"interrupted": interrupted, "group_size": len(peaks),
+                                         "rank_peak_memory_gb": peaks}))
+    else:
+        sys.stdout.write("\n")
+    if result is None:
+        err.print("[yellow]interrupted[/] before the first token")
+    else:
+        err.print(f"[dim]prompt {result.prompt_tokens} tok @ {result.prompt_tps:.1f} tok/s | "
+                  f"generated {result.generation_tokens} tok @ {result.generation_tps:.1f} tok/s | "
+                  f"tau {result.tau:.2f} | peak {result.peak_memory:.2f} GB | {result.finish_reason}[/]", soft_wrap=True)
+    if interrupted:
+        raise typer.Exit(130)
 
 
 @app.command()
 @user_errors
 def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
-    """List the published drafter -> target pairs, and which are already downloaded or converted."""
-    from huggingface_hub import scan_cache_dir
+    """List the published drafter -> target pairs, which are downloaded or converted, and the converted bundles."""
+    from huggingface_hub import constants, scan_cache_dir
+    from rich import box
     from rich.table import Table
 
     from .registry import known_bundles, pairs
 
     try:
-        cached = {repo.repo_id for repo in scan_cache_dir().repos}
+        cached = {repo.repo_id for repo in scan_cache_dir(constants.HF_HUB_CACHE).repos}  # read now, as downloads do
     except Exception:  # no cache folder yet, or an unreadable one
         cached = set()
     converted = {}
@@ -237,7 +282,8 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
         manifest = json.loads((bundle / "dflash.json").read_text())
         converted.setdefault(manifest.get("drafter"), []).append(str(bundle))
     rows = [
-        dict(drafter=p.drafter, target=p.target, architecture=p.model_type, supported=p.supported,
+        dict(name=min(p.names, key=len), drafter=p.drafter, target=p.target, architecture=p.model_type,
+             supported=p.supported,
              thinking=p.thinking, memory_gb=p.memory_gb, gated=p.gated, notes=p.notes,
              downloaded=p.drafter in cached and p.target in cached, converted=converted.get(p.drafter, []))
         for p in pairs()
@@ -245,18 +291,32 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    table = Table(title="DFlash drafters (z-lab/...)", show_lines=False)
-    widths = {"runs": 4, "think": 5, "~GB": 4, "local": 10}
-    for col in ("drafter", "target", "runs", "think", "~GB", "local"):
-        table.add_column(col, overflow="fold", min_width=widths.get(col))
-    for r in rows:
-        local = "converted" if r["converted"] else ("downloaded" if r["downloaded"] else "")
-        runs = "yes" if r["supported"] else f"[dim]not yet ({r['architecture']})[/]"
-        name = r["drafter"].removeprefix("z-lab/") + (" [dim](gated)[/]" if r["gated"] else "")
-        table.add_row(name, r["target"], runs, r["thinking"], str(r["memory_gb"]), local)
-    table.caption = ("gated: accept the terms on the model's page, then `hf auth login`; "
-                     "block sizes come from each drafter's config; --json has every field and the notes")
-    Console(highlight=False).print(table)
+    out = Console(highlight=False)
+    # 80 columns hold every row unbroken: the short name one types, the target repo, and a status that wraps
+    # between its words (a missing architecture, gated terms) instead of inside a name.
+    table = Table(title="DFlash drafters on the Hub (z-lab/...)", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True, show_edge=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("target", no_wrap=True)
+    table.add_column("think", no_wrap=True)
+    table.add_column("~GB", justify="right", no_wrap=True)
+    table.add_column("status", overflow="fold", min_width=len("downloaded"))
+    for p, r in zip(pairs(), rows):
+        status = [] if r["supported"] else ["[dim]not yet[/]"]
+        status += ["converted"] if r["converted"] else (["downloaded"] if r["downloaded"] else [])
+        status += ["[dim]gated[/]"] if r["gated"] else []
+        table.add_row(r["name"], r["target"], r["thinking"], str(r["memory_gb"]), ", ".join(status))
+    out.print(table)
+    out.print("[dim]chat with a name of the first column (dflash-mlx chat Qwen3-8B). not yet: dflash-mlx does not "
+              "run the target's architecture; gated: accept the terms on the model's page, then `hf auth login`; "
+              "--json has every field (architectures, notes)[/]")
+    bundles = known_bundles()
+    out.print(f"\nconverted bundles (take one alone: dflash-mlx chat FOLDER){': none' if not bundles else ''}")
+    for bundle in bundles:
+        manifest = json.loads((bundle / "dflash.json").read_text())
+        quant = manifest.get("quantize") or manifest.get("dtype") or "as published"
+        out.print(f"  {escape(str(bundle))}\n    {escape(str(manifest.get('drafter')))} -> "
+                  f"{escape(str(manifest.get('target')))} ({quant})", overflow="fold")
 
 
 @app.command()
@@ -305,7 +365,7 @@ def doctor(
     import mlx.core as mx
     from huggingface_hub import constants
 
-    from .system import blas_check, machine_description
+    from .system import blas_check, machine_description, name_conflict
 
     if selftest:
         from .selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE, check_max_tokens
@@ -327,6 +387,8 @@ def doctor(
         style = {"reference": "bold red", "spins": "yellow"}.get(verdict)
         out.print(f"BLAS          {f'[{style}]{escape(line)}[/]' if style else escape(line)}")
     out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
+    if conflict := name_conflict():
+        out.print(f"[bold red]install[/]       {escape(conflict)}")
     group = distributed.describe()
     if group is not None:
         hosts = ", ".join(f"{r}={h}" for r, h in enumerate(group["hosts"])) or "not named by the launcher"
@@ -339,13 +401,7 @@ def doctor(
     out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (converted ones are listed here)"))
     if not selftest:
         return
-    from .loader import load
-    from .registry import default_pair
-
-    if model is None:
-        model = default_pair(info["memory_bytes"]).drafter
-        err.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
-    tgt, drafter, tokenizer = load(model, target)
+    model, tgt, drafter, tokenizer = _load(model, target)
     with err.status("selftest: plain and DFlash greedy decoding") as status:
         result = run(tgt, drafter, tokenizer, max_tokens=max_tokens,
                      on_prompt=lambda record: status.update(f"selftest: {record['prompt']} done"))
@@ -389,6 +445,7 @@ def chat(
     seed: Optional[int] = SEED,
     verify: str = VERIFY,
     stop: Optional[list[str]] = STOP,
+    chat_template: Optional[str] = TEMPLATE,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
@@ -396,21 +453,16 @@ def chat(
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
     from .chat import ChatSession, line_editing, run_command, stats_line
     from .generate import GenerationResponse
-    from .loader import load
-    from .registry import default_pair, find
-    from .system import machine_description
+    from .registry import find
 
     _check_options(block_size, max_tokens, window, sinks, temperature=temperature, top_p=top_p, top_k=top_k,
                    min_p=min_p, seed=seed, verify=verify)
-    if model is None:
-        model = default_pair(machine_description()["memory_bytes"]).drafter
-        err.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
+    model, tgt, drafter, tokenizer = _load(model, target, chat_template)
     pair = find(model)
     if pair is not None and think is not None and pair.thinking in ("on", "off") and think != (pair.thinking == "on"):
         err.print(f"[yellow]warning:[/] {pair.drafter} was trained with thinking {pair.thinking}; "
                   f"--{'think' if think else 'no-think'} will lower acceptance")
-    tgt, drafter, tokenizer = load(model, target)
-    _check_window(window, sinks, block_size, drafter)
+    _check_loaded(window, sinks, block_size, drafter)
     _warn_blas()
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
                           block_size=block_size, options=dict(max_tokens=max_tokens, temperature=temperature,
@@ -512,7 +564,7 @@ def bench(
     else:
         b.fetch(dataset, num_prompts)  # raises the unknown-dataset error
     tgt, drafter, tokenizer = load(model, target)
-    _check_window(window, sinks, block_size, drafter)
+    _check_loaded(window, sinks, block_size, drafter)
     _warn_blas()
     if lengths is not None:
         conversations = b.context_prompts(tokenizer, lengths, tgt.max_positions)
@@ -658,6 +710,12 @@ def train(
         f"{result.tokens_per_s:.0f} tok/s, held-out tau {tau} (block {block_size})",
         soft_wrap=True,
     )
+    if result.looping and result.looping == result.evaluated:
+        err.print(f"[bold red]warning:[/] all {result.evaluated} held-out replies of the target loop on a short span: "
+                  "that tau measures the loop, not the drafter (is the target trained enough?)", soft_wrap=True)
+    elif result.looping:
+        err.print(f"[yellow]note:[/] {result.looping} of {result.evaluated} held-out replies loop, which inflates tau",
+                  soft_wrap=True)
 
 
 @app.command()
@@ -672,11 +730,10 @@ def serve(
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
     prefill_step_size: Optional[int] = PREFILL_STEP,
+    chat_template: Optional[str] = TEMPLATE,
 ) -> None:
     """Serve the pair over the OpenAI HTTP API (chat and text completions, streamed or not)."""
-    from .loader import load
-    from .registry import default_pair
-    from .system import install_hint, machine_description
+    from .system import install_hint
 
     try:
         import starlette  # noqa: F401
@@ -689,11 +746,9 @@ def serve(
     _check_options(block_size, 1, window, sinks, prefill_step_size)
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
-    if model is None:
-        model = default_pair(machine_description()["memory_bytes"]).drafter
-    with err.status(f"loading {escape(model)}"):
-        tgt, drafter, tokenizer = load(model, target)
-    _check_window(window, sinks, block_size, drafter)
+    with err.status("loading the model"):
+        model, tgt, drafter, tokenizer = _load(model, target, chat_template)
+    _check_loaded(window, sinks, block_size, drafter)
     _warn_blas()
     engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
                     prefill_step_size=prefill_step_size)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from .caches import DFlashCache, check_window, make_cache
+from .caches import DFlashCache, check_block_size, check_window, make_cache
 from .distributed import shared_seed
 from .drafter import Drafter
 from .errors import DFlashError
@@ -33,6 +33,8 @@ from .stops import StopStrings, stop_list
 from .target import Target
 
 Prompt = Union[str, Sequence[int], mx.array]
+
+INTERRUPTED = "interrupted"  # the finish_reason of a generation that Ctrl-C cut short (chat, generate)
 
 # While decoding plainly, the drafter's context catches up in passes of this many
 # positions: one pass per 64 plain steps costs far less per position than one per
@@ -401,8 +403,7 @@ def stream_generate(
     sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
     pinned = block_size is not None
     block_size = drafter.block_size if block_size is None else block_size
-    if not isinstance(block_size, int) or block_size < 1:
-        raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
+    check_block_size(block_size, drafter)
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
     if window is not None:

@@ -15,7 +15,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from . import distributed
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from .drafter import Drafter, DrafterArgs
-from .errors import DFlashError
+from .errors import DFlashError, DownloadError
 from .registry import is_bundle
 from .registry import resolve as registry_resolve
 from .target import Target, check_model_type
@@ -62,7 +62,7 @@ def resolve(name: str, what: str) -> Path:
             reason = "offline, or the Hugging Face Hub is unreachable"
         if path.parent.is_dir():  # "models/qwen3" with ./models present: most likely a mistyped folder
             raise DFlashError(f"{what} {name}: no such folder (nor could it be downloaded as a repo: {reason})") from None
-        raise DFlashError(
+        raise DownloadError(
             f"cannot download {what} {name} ({reason}); pass a local folder or a converted bundle instead"
         ) from None
 
@@ -214,26 +214,40 @@ def check_target_folder(path: Path, ranks: int = 1) -> None:
         distributed.check_shardable(config, ranks)
 
 
-def load_target(path: Path, group: Optional[mx.distributed.Group] = None) -> tuple[Any, Any]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model")
+
+
+def load_target(
+    path: Path, group: Optional[mx.distributed.Group] = None, chat_template: Optional[str] = None
+) -> tuple[Any, Any]:
     """The mlx-lm model and tokenizer in ``path``, or a one-line error naming the problem.
 
     With a ``group``, mlx-lm's sharded load: the weights are read lazily and
     sharded before they are evaluated, so each rank holds only its share.
+    ``chat_template`` (Jinja text) replaces the tokenizer's template, or gives one
+    to a model that has none, as mlx-lm's ``--chat-template`` does; mlx-lm then
+    infers the tool-call format from it.
     """
     from mlx_lm.utils import load as mlx_lm_load
     from mlx_lm.utils import sharded_load
 
     check_target_folder(path, 1 if group is None else group.size())  # before reading gigabytes of weights
+    if not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise DFlashError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files of the "
+                          "model it was made from into it")
+    extra = {"chat_template": chat_template} if chat_template is not None else None
     try:
-        return mlx_lm_load(str(path)) if group is None else sharded_load(str(path), tensor_group=group)
+        if group is None:
+            return mlx_lm_load(str(path), tokenizer_config=extra)
+        return sharded_load(str(path), tensor_group=group, tokenizer_config=extra)
     except DFlashError:
         raise
-    except Exception as e:  # mlx-lm reports bad folders with many exception types
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DFlashError(f"cannot load target {path}: {reason}") from None
+    except Exception as e:  # mlx-lm reports bad folders with many exception types, some over several lines
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise DFlashError(f"cannot load target {path}: {reason[:300]}") from None
 
 
-def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any]:
+def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] = None) -> tuple[Target, Drafter, Any]:
     """Load a DFlash drafter and its target.
 
     ``draft`` is a converted bundle folder, a drafter folder, a Hub repo id or a
@@ -241,7 +255,8 @@ def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any
     already converted/quantized) is needed only where the registry does not know
     the pair, and overrides it otherwise. Returns ``(target, drafter, tokenizer)``.
     The drafter runs in the target's float dtype, so a bf16 checkpoint drives a
-    float32 target without mixed-precision casts.
+    float32 target without mixed-precision casts. ``chat_template`` (Jinja text)
+    replaces the target's chat template, or gives one to a model without.
     """
     bundle = Path(draft).expanduser()
     if is_bundle(bundle):
@@ -252,7 +267,7 @@ def load(draft: str, target: Optional[str] = None) -> tuple[Target, Drafter, Any
     if target is None:
         raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
     group = distributed.group()
-    model, tokenizer = load_target(resolve(target, "target"), group)
+    model, tokenizer = load_target(resolve(target, "target"), group, chat_template)
     tgt = Target(model, drafter.target_layer_ids, group)
     check_pair(tgt, drafter)
     dtype = tgt.dtype

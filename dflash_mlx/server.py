@@ -106,7 +106,8 @@ def parse(body: Any, chat: bool, tokenizer: Any, target: Any) -> Completion:
             role = "system" if m["role"] == "developer" else m["role"]
             turns.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
         if not has_chat_template(tokenizer):
-            raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+            raise APIError(400, "this model has no chat template: use /v1/completions, or start the server with "
+                                "--chat-template FILE", "messages")
         ids = _checked(lambda: render(tokenizer, turns), "messages")
     else:
         prompt = body.get("prompt")

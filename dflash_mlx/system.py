@@ -19,6 +19,11 @@ from typing import Any, Optional
 
 _REEXEC_GUARD = "DFLASH_MLX_BLAS_REEXEC"
 
+# This project's name for pip. Not "dflash-mlx": on PyPI that is another DFlash port (bstnxbt/dflash-mlx),
+# which `pip install -U dflash-mlx` would swap in. Both import as `dflash_mlx`, so one environment holds one.
+DISTRIBUTION = "dflash-mlx-lossless"
+OTHER_PROJECT = "dflash-mlx"
+
 OPENBLAS_CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -98,6 +103,25 @@ def _version(dist: str) -> Optional[str]:
         return None
 
 
+def name_conflict() -> Optional[str]:
+    """What to do when a distribution named ``dflash-mlx`` is installed here too, or None.
+
+    It is PyPI's other project (whose files overwrite this one's ``dflash_mlx``), or an
+    install of this project from before its rename (a second record of the same files).
+    """
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        meta = metadata(OTHER_PROJECT)
+    except PackageNotFoundError:
+        return None
+    if "bstnxbt" in f"{meta.get('Author')} {meta.get_all('Project-URL')}":
+        return (f"PyPI's other dflash-mlx {meta['Version']} (bstnxbt) is installed here too and overwrites this "
+                "project's dflash_mlx package: pip uninstall dflash-mlx, then reinstall this project")
+    return (f"an install of this project from before its rename to {DISTRIBUTION} is still recorded: "
+            "pip uninstall dflash-mlx (the files stay this project's)")
+
+
 def install_hint(extra: str, *packages: str) -> str:
     """How to install what an optional feature needs.
 
@@ -124,7 +148,7 @@ def machine_description() -> dict[str, Any]:
         "backend": "metal" if mx.metal.is_available() else "cpu",
         "mlx": _version("mlx"),
         "mlx-lm": _version("mlx-lm"),
-        "dflash-mlx": _version("dflash-mlx"),
+        "dflash-mlx": _version(DISTRIBUTION),
     }
     if sys.platform == "linux":
         info["blas"] = blas_library()

@@ -54,6 +54,7 @@ from .drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids
 from .chat_template import prompt_ids, user
 from .errors import DFlashError
 from .files import write_atomic
+from .bench import degenerate
 from .generate import generate
 from .loader import cast_floats, check_pair, load_drafter, load_target, resolve
 from .target import Target
@@ -102,6 +103,8 @@ class TrainResult:
     tau: Optional[float]  # tokens per verify cycle on held-out prompts (None: not measured)
     output: Path  # the drafter folder, loadable with dflash_mlx.load(output, target)
     losses: list[float] = field(default_factory=list)  # every step's loss, across resumes
+    looping: int = 0  # held-out replies that loop on a short span, where tau measures the loop, not the drafter
+    evaluated: int = 0  # held-out replies measured
 
 
 # --- data -----------------------------------------------------------------------------------
@@ -429,18 +432,21 @@ def export(out: Path, drafter: Drafter, config: dict[str, Any]) -> None:
 def evaluate(
     target: Target, tokenizer: Any, out: Path, prompts: list[list[int]], block_size: int, max_tokens: int,
     progress: Progress,
-) -> Optional[float]:
-    """tau of the exported drafter on ``prompts``, loaded as ``dflash_mlx.load`` loads it (None: no cycle ran)."""
+) -> tuple[Optional[float], int]:
+    """tau of the exported drafter on ``prompts`` (None: no cycle ran), loaded as ``dflash_mlx.load`` loads it,
+    and how many of the target's replies loop (``bench.degenerate``): drafts of a loop are accepted whatever
+    the drafter learnt, so a target that only loops makes any tau look good."""
     drafter = load_drafter(out)
     check_pair(target, drafter)
     drafter.update(cast_floats(drafter.parameters(), target.dtype))
-    emitted = cycles = 0
+    emitted = cycles = looping = 0
     for i, ids in enumerate(prompts):
         result = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size)
         emitted += sum(a + 1 for a in result.acceptance)
         cycles += result.cycles
+        looping += degenerate(result.tokens)
         progress({"phase": "eval", "done": i + 1, "total": len(prompts)})
-    return emitted / cycles if cycles else None
+    return (emitted / cycles if cycles else None), looping
 
 
 # --- the entry point ------------------------------------------------------------------------
@@ -627,10 +633,12 @@ def train(
         raise
 
     export(out_dir, drafter, config)
-    tau = evaluate(tgt, tokenizer, out_dir, data["eval"][:eval_prompts], block_size, response_tokens, report)
+    held_out = data["eval"][:eval_prompts]
+    tau, looping = evaluate(tgt, tokenizer, out_dir, held_out, block_size, response_tokens, report)
     result = TrainResult(
         loss=state["losses"][-1] if state["losses"] else None, steps=state["step"],
         tokens_per_s=tokens / seconds if seconds else 0.0, tau=tau, output=out_dir, losses=list(state["losses"]),
+        looping=looping, evaluated=len(held_out),
     )
     report({"phase": "done", "loss": result.loss, "steps": result.steps, "tokens_per_s": result.tokens_per_s,
             "tau": result.tau, "output": str(out_dir)})

@@ -90,7 +90,22 @@ def test_plot_figure_and_force(models_dir, tmp_path):
     block = report["block_size"]
     assert list(hist.get_xticks()) == list(range(block))  # every possible accepted count, integer bins
     counts = report["summary"]["acceptance_histogram"]
-    assert [p.get_height() for p in hist.patches] == counts + [0] * (block - len(counts))
+    plain = report["summary"]["plain_steps"]  # cycles that drafted nothing, a bar of their own at 0 accepted
+    assert plain == sum(r["depth_histogram"][0] for r in report["records"])
+    bars = [p.get_height() for p in hist.patches]
+    assert bars[:block] == [counts[0] - plain] + counts[1:] + [0] * (block - len(counts))
+    assert bars[block:] == ([plain] if plain else [])
+    low, high = tau.get_ylim()  # a nearly flat tau is drawn flat, from 1 (none accepted) up
+    assert low <= 1.0 and high >= 2.0
+    assert not fig.get_supxlabel()  # nothing was left out
+
+    report["records"][0]["flagged"] = ["degenerate loop"]
+    report["summary"] = summarize(report["records"])
+    fig = bench.figure(report)
+    assert len(fig.axes[0].get_lines()[0].get_ydata()) == len(report["records"]) - 1
+    note = fig.get_supxlabel()  # the missing point is said, with why
+    assert f"1 of {len(report['records'])} prompts" in note and report["records"][0]["prompt"] in note
+    assert "degenerate loop" in note
 
     for r in report["records"]:
         r["flagged"] = ["degenerate loop"]
@@ -120,6 +135,15 @@ def test_table_loses_nothing_at_80_columns(models_dir, tmp_path, monkeypatch):
         assert row[1:] == cells, row
     assert "  code-0  " in result.stdout and "flagged: degenerate loop" in result.stdout
     assert "…" not in result.stdout
+
+
+def test_a_run_whose_every_prompt_is_flagged_says_it_has_no_figure(models_dir, tmp_path, monkeypatch):
+    """A target that only loops (trained on a busy machine, say) must never read as a speedup."""
+    monkeypatch.setattr(bench, "degenerate", lambda tokens: True)
+    report, result = _bench(models_dir, tmp_path, "--num-prompts", "2", columns=200)
+    assert report["summary"]["speedup"] is None
+    assert "no usable figure: all 2 prompts were flagged (2 degenerate loop)" in result.stdout
+    assert "speedup median" not in result.stdout
 
 
 def test_ctrl_c_keeps_what_was_measured(models_dir, tmp_path, monkeypatch):

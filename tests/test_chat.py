@@ -46,6 +46,8 @@ LONG_MESSAGE = (
 )
 SHORT_MESSAGE = "thanks a lot"
 INTERRUPTED_STATS = re.compile(r"interrupted after (?P<tokens>\d+) tok \| " + STATS.pattern)
+TOTALS = re.compile(r"(?P<replies>\d+) repl(y|ies), (?P<tokens>\d+) tok @ [\d.]+ tok/s \| tau [\d.]+ \| accepted \d+% \| "
+                    r"context (?P<context>\d+) tok \| prefilled (?P<prefilled>\d+) tok in all")
 UP = "\x1b[A"  # what the Up arrow key sends
 
 pytestmark = pytest.mark.skipif(not CLI.exists(), reason=f"console script {CLI} not installed")
@@ -215,8 +217,8 @@ def test_save_reset_load(spawn, tmp_path, tokenizer):
     stats = chat.say("tell me more")
     full = saved["messages"] + [{"role": "user", "content": "tell me more"}]
     assert stats["prefilled"] == prompt_length(tokenizer, full)
-    line = chat.command("/stats")
-    assert STATS.fullmatch(line) and f"prefilled {stats['prefilled']} tok" in line
+    totals = TOTALS.fullmatch(chat.command("/stats"))  # the conversation since it was loaded: one reply
+    assert totals and totals["replies"] == "1" and int(totals["prefilled"]) == stats["prefilled"]
     chat.command(f"/save {path.name}")
     assert [m["role"] for m in json.loads(path.read_text())["messages"]] == ["user", "assistant"] * 3
     chat.type("/quit")
@@ -239,12 +241,15 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(spawn, tmp_path, tokenizer):
     chat.child.sendintr()
     chat.child.expect(INTERRUPTED_STATS)
     assert int(chat.child.match["tokens"]) > 0 and int(chat.child.match["prefilled"]) > 0
-    interrupted = chat.child.match.group(0)
+    tokens = int(chat.child.match["tokens"])
     chat.child.expect_exact(PROMPT)
-    assert chat.command("/stats") == interrupted
+    totals = TOTALS.fullmatch(chat.command("/stats"))
+    assert totals and totals["replies"] == "1" and int(totals["tokens"]) == tokens
 
     stats = chat.say("and then")
     assert stats["prefilled"] > 0
+    totals = TOTALS.fullmatch(chat.command("/stats"))  # both replies, the interrupted one included
+    assert totals["replies"] == "2" and int(totals["tokens"]) > tokens
     chat.command("/save after-ctrl-c.json")
     messages = json.loads((tmp_path / "after-ctrl-c.json").read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] * 2
@@ -448,8 +453,9 @@ def test_target_without_chat_template_is_refused_in_one_line(models_dir, tmp_pat
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     result = CliRunner().invoke(app, ["chat", str(models_dir / "qwen3-dflash"), "-t", str(target)], input="hello\n")
     assert result.exit_code == 2
-    assert result.stderr.strip() == ("error: the target's tokenizer has no chat template, so it cannot chat; "
-                                     "use `dflash-mlx generate --no-chat-template` for raw text")
+    assert result.stderr.strip() == ("error: the target's tokenizer has no chat template, so it cannot chat: give "
+                                     "one with --chat-template FILE, or use `dflash-mlx generate --no-chat-template` "
+                                     "for raw text")
 
 
 @pytest.mark.parametrize("reply", ["end", ">", "\n"])

@@ -190,8 +190,11 @@ def test_models_marks_downloaded_and_converted(tmp_path, monkeypatch, models_dir
     assert rows["z-lab/Qwen3-4B-DFlash-b16"]["downloaded"]
     assert not rows["z-lab/Qwen3-8B-DFlash-b16"]["downloaded"]
     assert rows["z-lab/Qwen3-8B-DFlash-b16"]["converted"] == [str(bundle.resolve())]
-    table = CliRunner(env={"COLUMNS": "220"}).invoke(app, ["models"])
-    assert table.exit_code == 0 and "Qwen3-8B-DFlash-b16" in table.stdout and "converted" in table.stdout
+    table = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["models"])
+    assert table.exit_code == 0
+    row = next(line for line in table.stdout.splitlines() if line.split()[:1] == ["Qwen3-8B"])
+    assert row.split()[1:] == ["Qwen/Qwen3-8B", "off", "18", "converted"]
+    assert str(bundle.resolve()) in table.stdout and "z-lab/Qwen3-8B-DFlash-b16 -> " in table.stdout
 
 
 # -- convert ------------------------------------------------------------------------

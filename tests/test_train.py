@@ -351,6 +351,19 @@ def test_train_command(tmp_path, models_dir):
         assert r.exit_code == 2 and message in r.stderr, r.output
 
 
+def test_a_target_that_only_loops_is_said_to(tmp_path):
+    """Drafts of a loop are accepted whatever the drafter learnt: tau then measures the loop, and train says so."""
+    config = fixtures.target_config("qwen3")
+    fixtures.write_target(tmp_path / "target", config, init_scale=1.0)  # small weights: greedy replies loop
+    out = tmp_path / "drafter"
+    result = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["train", str(tmp_path / "target"), "-o", str(out),
+                                                            "--steps", "2", "--block-size", "8", "--batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "held-out tau" in result.stdout
+    said = re.search(r"all \d+ held-out replies of the target loop|\d+ of \d+ held-out replies loop", result.stderr)
+    assert said, result.stderr
+
+
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 
 
