@@ -6,7 +6,14 @@ and sends the same streamed /v1/completions requests to each. Decode tok/s is pe
 request, from its first streamed token to its last; with 8 clients the server runs
 them one at a time, so their time to first token includes the wait in the queue.
 
-    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128]
+With ``--tools`` it measures instead what splitting a chat reply (reasoning, tool calls) costs
+the stream: one DFlash server, each prompt sent as a text completion (raw text, nothing
+parsed), a chat completion, and a chat completion with ``tools``, in rotating order. The
+chat template is given with ``--chat-template``: the pair's own (messages as text) plus, in
+a comment, the markers mlx-lm infers Qwen's tool-call parser from, so the three send the
+same prompt and decode the same reply, and only the parsing differs.
+
+    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools]
 """
 
 from __future__ import annotations
@@ -43,22 +50,38 @@ def start(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def request(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion: seconds to the first text, decode tok/s after it, the text."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+# The pair's chat template (the messages' text) and, in a comment that renders nothing, the markers mlx-lm
+# infers Qwen's tool-call parser from ("<tool_call>" and "tool_call.name").
+TOOLS_TEMPLATE = ("{#- <tool_call> tool_call.name -#}"
+                  "{%- for m in messages %}{{- m['content'] }}{%- if not loop.last %}{{- '\\n' }}{%- endif %}{%- endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "run_python", "description": "Run Python code",
+                                           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+
+def request(url: str, prompt: str, max_tokens: int, tools: bool = None) -> dict:
+    """One streamed completion (a chat one when ``tools`` is not None): seconds to the first text, decode tok/s
+    after it, the text."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    path = "/v1/completions"
+    if tools is None:
+        body["prompt"] = prompt
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        body |= {"tools": TOOLS} if tools else {}
     tic, first, last, text, usage = time.perf_counter(), None, None, [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            piece = (chunk["choices"][0].get("text") or chunk["choices"][0].get("delta", {}).get("content")
+                     if chunk["choices"] else None)
+            if piece:
                 last = time.perf_counter()
                 first = first or last
-                text.append(chunk["choices"][0]["text"])
+                text.append(piece)
     tokens = usage["completion_tokens"]
     return {"ttft": first - tic, "tps": (tokens - 1) / (last - first) if last > first else 0.0, "text": "".join(text)}
 
@@ -83,6 +106,7 @@ def main() -> None:
     parser.add_argument("--pair", type=Path, default=None, help="[default: newest bench/.cache/pair-*]")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tools", action="store_true", help="measure what tool and reasoning parsing cost")
     args = parser.parse_args()
     print_machine()
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
@@ -92,6 +116,9 @@ def main() -> None:
     held = [json.loads(line)["prompt"] for line in (pair / "heldout.jsonl").read_text().splitlines()]
     prompts = [p for pair_ in zip(held, chat) for p in pair_][: args.prompts]  # code and chat, alternating
     print(f"{pair.name}: {len(prompts)} prompts (held-out code and built-in chat), {args.max_tokens} tokens, greedy")
+    if args.tools:
+        with_and_without_tools(pair, prompts, args.max_tokens)
+        return
     figures = {}
     for name, extra in (("dflash", []), ("plain", ["--block-size", "1"])):
         proc, url = start(pair, extra)
@@ -109,6 +136,31 @@ def main() -> None:
         print(f"{c} client(s): time to first token (median) dflash {ttft['dflash'] * 1e3:.0f} ms, plain "
               f"{ttft['plain'] * 1e3:.0f} ms; decode tok/s (median per request) dflash {tps['dflash']:.1f}, "
               f"plain {tps['plain']:.1f}, ratio {tps['dflash'] / tps['plain']:.2f}; texts identical")
+
+
+def with_and_without_tools(pair: Path, prompts: list[str], max_tokens: int, repeats: int = 3) -> None:
+    """One DFlash server; each prompt as a text completion (no parsing), a chat completion, and a chat completion
+    with tools (every piece through the tool-call parser), in rotating order; medians of decode tok/s."""
+    proc, url = start(pair, ["--chat-template", TOOLS_TEMPLATE, "--log-level", "warning"])
+    variants = {"text completion": None, "chat": False, "chat + tools": True}
+    try:
+        request(url, prompts[0], 16, tools=True)  # warm-up
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for r in range(repeats):
+            for i, prompt in enumerate(prompts):
+                names = list(variants)
+                for name in names[(r + i) % 3:] + names[: (r + i) % 3]:
+                    runs[name].append(request(url, prompt, max_tokens, tools=variants[name]))
+    finally:
+        proc.send_signal(2)
+        proc.wait(timeout=60)
+    texts = [[r["text"] for r in v] for v in runs.values()]
+    assert texts[0] == texts[1] == texts[2], "the variants decoded different replies"
+    tps = {name: statistics.median(r["tps"] for r in v) for name, v in runs.items()}
+    base = tps["text completion"]
+    print(f"streamed, {repeats} x {len(prompts)} requests each, replies identical; decode tok/s, median per request:")
+    for name, value in tps.items():
+        print(f"  {name:16s} {value:7.1f}  ({value / base:.3f} of the text completion)")
 
 
 if __name__ == "__main__":

@@ -106,7 +106,8 @@ TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest s
 TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0: all).")
 MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability.")
 SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
-VERIFY = typer.Option("rejection", "--verify", help="Sampled verification: rejection (accepts more) or match.")
+VERIFY = typer.Option("auto", "--verify", help="Sampled verification: rejection (accepts more), match, or auto: "
+                                                "rejection, match with --seed (which keeps the adaptive depth).")
 
 
 PREFILL_STEP = typer.Option(
@@ -725,36 +726,53 @@ def serve(
     target: Optional[str] = TARGET,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, "--port", help="TCP port."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require Authorization: Bearer KEY."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require this key (Authorization: Bearer KEY, or x-api-key: KEY)."),
     block_size: Optional[int] = BLOCK_SIZE,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
     prefill_step_size: Optional[int] = PREFILL_STEP,
     chat_template: Optional[str] = TEMPLATE,
+    temperature: float = typer.Option(0.0, "--temp", help="Temperature of requests that set none (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="top_p of requests that set none."),
+    top_k: int = typer.Option(0, "--top-k", help="top_k of requests that set none."),
+    min_p: float = typer.Option(0.0, "--min-p", help="min_p of requests that set none."),
+    max_tokens: int = typer.Option(4096, "--max-tokens", "-m", help="Token budget of requests that set none."),
+    allowed_origins: Optional[str] = typer.Option(
+        None, "--allowed-origins", help="CORS: comma-separated origins browser pages may call from ('*': any) \\[default: none]."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info (a line per request), warning or error."),
 ) -> None:
-    """Serve the pair over the OpenAI HTTP API (chat and text completions, streamed or not)."""
+    """Serve the pair over OpenAI's and Anthropic's HTTP APIs (chat, text completions, messages; tools, reasoning)."""
+    from .api import Defaults
     from .system import install_hint
 
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise DFlashError(f"serve needs its HTTP stack: {install_hint('serve', 'starlette', 'uvicorn')}") from None
+        raise DFlashError(f"serve needs its HTTP stack: {install_hint('serve', 'starlette', 'uvicorn', 'prometheus-client')}"
+                          ) from None
     from .server import Engine
     from .server import serve as run
 
-    _check_options(block_size, 1, window, sinks, prefill_step_size)
+    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, temperature=temperature, top_p=top_p,
+                   top_k=top_k, min_p=min_p)
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise DFlashError(f"--log-level takes debug, info, warning or error, got {log_level!r}")
+    origins = tuple(o.strip() for o in (allowed_origins or "").split(",") if o.strip())
     with err.status("loading the model"):
         model, tgt, drafter, tokenizer = _load(model, target, chat_template)
     _check_loaded(window, sinks, block_size, drafter)
     _warn_blas()
     engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                    prefill_step_size=prefill_step_size)
+                    prefill_step_size=prefill_step_size,
+                    defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens))
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
-    run(engine, host, port, api_key, on_ready=lambda: err.print(
-        f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI API; Ctrl-C stops)", soft_wrap=True))
+    run(engine, host, port, api_key, allowed_origins=origins, log_level=log_level, on_ready=lambda: err.print(
+        f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI's API, and Anthropic's at /v1/messages; "
+        "Ctrl-C stops)", soft_wrap=True))
     err.print("stopped")

@@ -28,7 +28,7 @@ from .distributed import shared_seed
 from .drafter import Drafter
 from .errors import DFlashError
 from .policy import DraftPolicy, FixedBlock, adaptive_policy
-from .sampling import Proposal, Sampling, position_keys, sample_rows, verify
+from .sampling import Proposal, Sampling, Scores, position_keys, sample_rows, scores, verify
 from .stops import StopStrings, stop_list
 from .target import Target
 
@@ -60,6 +60,8 @@ class GenerationResponse:
     cache_bytes: int  # KV caches of target and drafter together
     finish_reason: Optional[str] = None  # "stop" (EOS or a stop string), "length" (max_tokens) or None
     stop_sequence: Optional[str] = None  # the stop string that ended generation (not in the text)
+    logprobs: Optional[list[float]] = None  # per token, with ``logprobs=``: log p under the target's distribution
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: (id, log p) of the most likely
 
 
 @dataclass
@@ -76,6 +78,7 @@ class GenerationResult:
     acceptance: list[int] = field(default_factory=list)  # accepted drafts, per cycle
     drafted: list[int] = field(default_factory=list)  # drafts proposed, per cycle
     stop_sequence: Optional[str] = None
+    logprobs: Optional[list[float]] = None  # per token, when asked for
 
     @classmethod
     def from_responses(cls, responses: list[GenerationResponse], finish_reason: Optional[str] = None) -> GenerationResult:
@@ -88,6 +91,7 @@ class GenerationResult:
             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
             acceptance=[r.accepted for r in cycles], drafted=[len(r.drafted) for r in cycles],
             stop_sequence=last.stop_sequence,
+            logprobs=None if last.logprobs is None else [lp for r in responses for lp in r.logprobs or []],
         )
 
     @property
@@ -186,13 +190,19 @@ class _InFlight(NamedTuple):
     accept: Optional[mx.array]  # per drafted token: does the target agree
     target_tokens: mx.array  # per block position: the target's token if the cycle stops there
     features: mx.array  # the target's features of [last ; drafts], for the drafter's next context
+    scores: Optional[Scores]  # per block position, of the token the cycle emits there (asked for: logprobs)
 
 
 def _start_cycle(
     target: Target, drafter: Drafter, cache: DFlashCache, sampling: Sampling, last: mx.array, n_draft: int,
-    key: Optional[mx.array],
+    key: Optional[mx.array], logprobs: Optional[int],
 ) -> _InFlight:
-    """Build one cycle's graph (draft ``n_draft`` tokens, verify [last ; drafts]) and start evaluating it."""
+    """Build one cycle's graph (draft ``n_draft`` tokens, verify [last ; drafts]) and start evaluating it.
+
+    With ``logprobs`` (alternatives per token) the verify's own logits also score the
+    token each position emits: an accepted draft before the first rejection, the
+    target's token from there. No pass runs for them; they travel with the one read.
+    """
     k_draft = k_verify = row_keys = None
     if key is not None:
         k_draft, k_verify = mx.random.split(key)
@@ -211,8 +221,16 @@ def _start_cycle(
             absorbed = [c.state for c in cache.drafter]
         logits, features = target(block[None], cache.target)
         accept, target_tokens = verify(sampling, proposal, logits[0], k_verify, row_keys)
-    mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed)
-    return _InFlight(proposal, accept, target_tokens, features)
+        scored = None
+        if logprobs is not None:
+            emitted = target_tokens
+            if proposal is not None:
+                kept = mx.cumprod(accept.astype(mx.int32)) > 0
+                emitted = mx.concatenate([mx.where(kept, proposal.tokens, target_tokens[:-1]), target_tokens[-1:]])
+            scored = scores(logits[0], emitted, logprobs)
+    mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed,
+                  [x for x in scored or () if x is not None])
+    return _InFlight(proposal, accept, target_tokens, features, scored)
 
 
 def _read(cycle: _InFlight) -> tuple[list[int], int, list[int]]:
@@ -222,6 +240,16 @@ def _read(cycle: _InFlight) -> tuple[list[int], int, list[int]]:
     accepts = cycle.accept.tolist() if cycle.accept is not None else []
     accepted = next((i for i, ok in enumerate(accepts) if not ok), len(accepts))
     return drafted, accepted, target_tokens
+
+
+def _read_scores(scored: Optional[Scores], n: int) -> tuple[Optional[list[float]], Optional[list[list[tuple[int, float]]]]]:
+    """The first ``n`` positions' log-probabilities and alternatives, as lists (None when not asked for)."""
+    if scored is None:
+        return None, None
+    chosen = scored.chosen[:n].tolist()
+    if scored.top_ids is None:
+        return chosen, [[] for _ in chosen]
+    return chosen, [list(zip(i, v)) for i, v in zip(scored.top_ids[:n].tolist(), scored.top_logprobs[:n].tolist())]
 
 
 def _prefill(
@@ -258,12 +286,14 @@ class _Emitted(NamedTuple):
     accepted: int
     reason: Optional[str]
     cache_bytes: int
+    logprobs: Optional[list[float]]  # of each token (when asked for)
+    top: Optional[list[list[tuple[int, float]]]]  # each token's most likely alternatives, with theirs
 
 
 def _decode(
     target: Target, drafter: Drafter, cache: DFlashCache, lease: object, prompt: list[int], max_tokens: int,
     eos: frozenset[int], prefill_step_size: int, progress: Callable[[int, int], None], sampling: Sampling,
-    policy: DraftPolicy,
+    policy: DraftPolicy, logprobs: Optional[int],
 ) -> Iterator[_Emitted]:
     """Prefill, then draft-verify-commit cycles; yield each verified cycle's tokens.
 
@@ -287,7 +317,7 @@ def _decode(
         if key is not None:
             key, cycle_key = mx.random.split(key)
         started = time.perf_counter()
-        return _start_cycle(target, drafter, cache, sampling, last, n_draft, cycle_key), started
+        return _start_cycle(target, drafter, cache, sampling, last, n_draft, cycle_key, logprobs), started
 
     policy.start()
     try:
@@ -301,8 +331,10 @@ def _decode(
                 last = sample_rows(sampling.logprobs(logits), position_keys(sampling.seed, len(cache.tokens), 1))
             else:
                 last = mx.random.categorical(sampling.logprobs(logits), key=first_key)
+            scored = scores(logits, last, logprobs) if logprobs is not None else None
         last_id = last.item()
         tokens, reason = _cut([last_id], eos, max_tokens)
+        lps, top = _read_scores(scored, len(tokens))
         emitted, drafted, accepted = len(tokens), [], 0
         ahead, planned, read_at = None, None, time.perf_counter()
         while True:
@@ -314,7 +346,7 @@ def _decode(
                     planned = depth(emitted + 1)
                     if planned == 0:
                         ahead, planned = start(cycle.target_tokens, 0), None
-            yield _Emitted(tokens, drafted, accepted, reason, cache.nbytes)  # the previous cycle's tokens
+            yield _Emitted(tokens, drafted, accepted, reason, cache.nbytes, lps, top)  # the previous cycle's tokens
             if reason is not None:
                 return
             if not cache.holds_lease(lease):
@@ -323,6 +355,7 @@ def _decode(
             seconds = time.perf_counter() - max(started, read_at)  # as a user waits for it, overlap excluded
             read_at = time.perf_counter()
             tokens, reason = _cut(drafted[:accepted] + [target_tokens[accepted]], eos, max_tokens - emitted)
+            lps, top = _read_scores(cycle.scores, len(tokens))
             emitted += len(tokens)
             kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
             if not committed:
@@ -361,10 +394,11 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: Optional[int] = None,
-    verify: str = "rejection",
+    verify: str = "auto",
     cache: Optional[DFlashCache] = None,
     policy: Optional[DraftPolicy] = None,
     stop: Union[None, str, Sequence[str]] = None,
+    logprobs: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
@@ -372,13 +406,21 @@ def stream_generate(
     the same attention window, if any) token for token. Above it, tokens are drawn
     from the target's distribution after mlx-lm's ``top_p``/``min_p``/``top_k``
     filters, exactly: ``verify="rejection"`` (speculative sampling) or ``"match"``
-    (keep drafts equal to target samples; accepts less). ``seed`` makes a run
-    reproducible. Generation stops after ``max_tokens`` tokens, before the first
+    (keep drafts equal to target samples; accepts less); ``"auto"`` is rejection,
+    or match with a ``seed``. ``seed`` makes a run reproducible: seeded match
+    sampling draws each position with a key of its own, so it keeps the adaptive
+    depth; seeded rejection sampling drafts full blocks. Generation stops after ``max_tokens`` tokens, before the first
     EOS token (not emitted) or before the first of the ``stop`` strings: that
     string, and any text after it, is never in a response's text (text that could
     begin one is held back until the next cycle decides it); the response that
     ends on it has ``stop_sequence`` set, and its tokens end with the one that
     completed the string. A prompt that fills the target's positions is refused.
+
+    ``logprobs=k`` gives each response ``logprobs`` (each token's log-probability
+    under the target's own distribution, before temperature and filters, as plain
+    decoding reports it) and ``top_logprobs`` (the k most likely tokens there, with
+    theirs), taken from the logits of the verify that emitted the token: no pass
+    of its own.
 
     ``cache`` (from :func:`make_cache`, same window and block size) carries the
     caches across calls: when its tokens begin the new prompt, only the rest is
@@ -388,9 +430,9 @@ def stream_generate(
     (``policy.AdaptiveDepth``) drafts up to ``block_size - 1`` tokens, as many as
     pay on this machine at the current context and acceptance, none (plain
     decoding) when speculation cannot pay. Passing ``block_size`` pins every
-    cycle to a full block; ``policy`` takes any ``DraftPolicy``. A ``seed`` at
-    temperature > 0 also drafts full blocks: the draw depends on the depths, and a
-    seeded run must give the same tokens every time.
+    cycle to a full block; ``policy`` takes any ``DraftPolicy``. Seeded rejection
+    sampling also drafts full blocks: its draw depends on the depths, and a seeded
+    run must give the same tokens every time.
 
     ``window`` bounds memory for long contexts: full-attention layers and the
     drafter's context keep ``sinks`` first positions plus the last ``window``.
@@ -415,6 +457,8 @@ def stream_generate(
     ids = encode_prompt(tokenizer, prompt)
     check_context(target.max_positions, len(ids), max_tokens)
     stops = stop_list(stop)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise DFlashError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
     eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if cache is None:
         cache = make_cache(target, drafter, window, sinks, block_size)
@@ -433,7 +477,7 @@ def stream_generate(
     detokenizer = tokenizer.detokenizer
     decoder = _decode(
         target, drafter, cache, lease, ids[reused:], max_tokens, eos, prefill_step_size,
-        prompt_progress_callback or (lambda done, total: None), sampling, policy,
+        prompt_progress_callback or (lambda done, total: None), sampling, policy, logprobs,
     )
 
     mx.reset_peak_memory()
@@ -466,6 +510,8 @@ def stream_generate(
                 cache_bytes=cycle.cache_bytes,
                 finish_reason="stop" if stopped is not None else cycle.reason,
                 stop_sequence=stopped,
+                logprobs=None if cycle.logprobs is None else cycle.logprobs[: len(tokens)],
+                top_logprobs=None if cycle.top is None else cycle.top[: len(tokens)],
             )
             if stopped is not None:
                 return  # closing the decoder abandons its cycle in flight

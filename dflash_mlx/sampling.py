@@ -27,7 +27,9 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import DFlashError
 
-VERIFY_MODES = ("rejection", "match")
+# "auto": rejection sampling (it accepts more), but match with a seed, where a key per position lets the seeded
+# run keep the adaptive depth (bench/sampling.py: 0.86-0.90x plain against 0.36-0.38x for seeded full blocks).
+VERIFY_MODES = ("auto", "rejection", "match")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
-    verify: str = "rejection"
+    verify: str = "auto"
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -61,7 +63,14 @@ class Sampling:
     @property
     def positional(self) -> bool:
         """Seeded match sampling: each position's draw has its own key, so any depth gives the same tokens."""
-        return not self.greedy and self.seed is not None and self.verify == "match"
+        return not self.greedy and self.seed is not None and self.mode == "match"
+
+    @property
+    def mode(self) -> str:
+        """The verification that runs: ``verify``, with "auto" resolved (match when seeded, else rejection)."""
+        if self.verify == "auto":
+            return "match" if self.seed is not None else "rejection"
+        return self.verify
 
     def key(self) -> mx.array:
         """The generation's PRNG key: from ``seed``, or fresh each run."""
@@ -93,6 +102,28 @@ class Proposal(NamedTuple):
 
     tokens: mx.array  # [k] drafted ids
     logprobs: Optional[mx.array] = None
+
+
+class Scores(NamedTuple):
+    """Log-probabilities of a block's tokens and of each row's most likely tokens, as plain decoding reports them."""
+
+    chosen: mx.array  # [n] of each row's token
+    top_ids: Optional[mx.array]  # [n, k], most likely first (None when k = 0)
+    top_logprobs: Optional[mx.array]
+
+
+def scores(logits: mx.array, tokens: mx.array, k: int) -> Scores:
+    """``tokens`` [n] scored under the target's own distribution, ``logits`` [n, V]: log-softmax before any
+    temperature or filter (what mlx-lm's ``generate_step`` yields), and the ``k`` most likely tokens per row."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if not k:
+        return Scores(chosen, None, None)
+    ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(lp, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return Scores(chosen, mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1))
 
 
 def _mix64(x: int) -> int:
@@ -137,7 +168,7 @@ def verify(
         return (None if proposal is None else proposal.tokens == sampled[:-1]), sampled
     if proposal is None:
         return None, mx.random.categorical(p, key=key)
-    if sampling.verify == "match":
+    if sampling.mode == "match":
         return verify_match(proposal.tokens, p, key)
     return verify_rejection(proposal.tokens, proposal.logprobs, p, key)
 

@@ -1,11 +1,13 @@
-"""`dflash-mlx serve`: an OpenAI-compatible HTTP server over one loaded pair.
+"""`dflash-mlx serve`: OpenAI's and Anthropic's HTTP APIs over one loaded pair, for chat apps, editors and agents.
 
-One model: requests wait in arrival order and run one at a time on the main
-thread, where the model was loaded; the HTTP server (Starlette on uvicorn) runs in
-a thread of its own. A request's text travels to its async handler through an
-asyncio queue. A client that disconnects cancels its request at the next cycle:
-the engine closes the generator, which abandons the cycle in flight, so the
-caches stay valid and the next request reuses the prompt they hold.
+One model: requests wait in arrival order and run one at a time on the main thread,
+where the model was loaded; the HTTP server (Starlette on uvicorn) runs in a thread of
+its own. ``openai_api`` and ``anthropic_api`` turn each request into a ``Completion``;
+the engine generates it and hands its pieces (text, tokens and, if asked, logprobs) to
+the request's async handler through an asyncio queue, which shapes them for its API. A
+client that disconnects cancels its request at the next cycle (or prefill chunk): the
+engine closes the generator, which abandons the cycle in flight, so the caches stay
+valid and the next request reuses the prompt they hold.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import queue
 import threading
 import time
@@ -22,137 +25,15 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 import mlx.core as mx
 
+from . import anthropic_api, openai_api
+from .api import APIError, Completion, Defaults
 from .caches import make_cache
-from .chat_template import has_chat_template, render
 from .distributed import from_main, from_main_bytes
 from .errors import DFlashError
-from .generate import GenerationResult, check_context, encode_prompt, stream_generate
-from .sampling import Sampling
-from .stops import stop_list
+from .generate import GenerationResponse, GenerationResult, stream_generate
 
 MAX_BODY_BYTES = 4 * 2**20
-# Parameters that would change the answer and that we do not implement: refused, never ignored.
-UNSUPPORTED = {
-    "logprobs": lambda v: bool(v), "top_logprobs": lambda v: v is not None, "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"), "functions": lambda v: bool(v),
-    "function_call": lambda v: v not in (None, "none"), "logit_bias": lambda v: bool(v),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "response_format": lambda v: v not in (None, {"type": "text"}), "best_of": lambda v: v not in (None, 1),
-    "echo": lambda v: bool(v), "suffix": lambda v: v not in (None, ""), "n": lambda v: v not in (None, 1),
-}
-
-
-class APIError(Exception):
-    """An OpenAI-style error: HTTP status and the ``{"error": {...}}`` body."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class Completion:
-    """A validated request, tokenized."""
-
-    ids: list[int]
-    max_tokens: int
-    sampling: dict[str, Any]
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    chat: bool
-
-
-def _number(body: dict, name: str, default: Any, kind: type, low: float, high: float) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise APIError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", name)
-    if not low <= value <= high:
-        raise APIError(400, f"{name} must be between {low} and {high}, got {value}", name)
-    return kind(value)
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise APIError(400, f"{where} must be a string or a list of text parts", where)
-
-
-def parse(body: Any, chat: bool, tokenizer: Any, target: Any) -> Completion:
-    """Check a request body the way the OpenAI API does; tokenize its prompt."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    for name, refused in UNSUPPORTED.items():
-        if name in body and refused(body[name]):
-            raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", "messages")
-        turns = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-                raise APIError(400, f"messages[{i}] needs a role of system, user or assistant", "messages")
-            role = "system" if m["role"] == "developer" else m["role"]
-            turns.append({"role": role, "content": _text(m.get("content"), f"messages[{i}].content")})
-        if not has_chat_template(tokenizer):
-            raise APIError(400, "this model has no chat template: use /v1/completions, or start the server with "
-                                "--chat-template FILE", "messages")
-        ids = _checked(lambda: render(tokenizer, turns), "messages")
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t < target.vocab_size for t in prompt):  # the embedding's rows: added tokens included
-                raise APIError(400, f"prompt token ids must be from 0 to {target.vocab_size - 1}", "prompt")
-        elif not isinstance(prompt, str) or not prompt:
-            raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
-        ids = encode_prompt(tokenizer, prompt)
-    where = "messages" if chat else "prompt"
-    limit = target.max_positions or 2**31
-    _checked(lambda: check_context(limit, len(ids), 1), where, "context_length_exceeded")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", min(4096, limit - len(ids)), int, 1,
-                         limit - len(ids))
-    stop = _checked(lambda: list(stop_list(body.get("stop"))), "stop")
-    if len(stop) > 4:
-        raise APIError(400, "stop takes up to 4 strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "stream must be true or false", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "stream_options must be an object", "stream_options")
-    sampling = {
-        "temperature": _number(body, "temperature", 1.0, float, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, float, 0.0, 1.0),
-        "top_k": _number(body, "top_k", 0, int, 0, 2**31),
-        "min_p": _number(body, "min_p", 0.0, float, 0.0, 1.0),
-        "seed": body.get("seed"),
-    }
-    if sampling["top_p"] == 0.0:
-        raise APIError(400, "top_p must be above 0", "top_p")
-    _checked(lambda: Sampling(**sampling), "seed")  # the one check that _number does not make
-    return Completion(ids, max_tokens, sampling, stop, stream, bool(options.get("include_usage")), chat)
-
-
-def _checked(make: Callable[[], Any], param: str, code: Optional[str] = None) -> Any:
-    """``make()``, with the library's one-line DFlashError as an HTTP 400 naming ``param``."""
-    try:
-        return make()
-    except DFlashError as e:
-        raise APIError(400, str(e), param, code) from None
+log = logging.getLogger("dflash_mlx.serve")
 
 
 @dataclass
@@ -173,6 +54,46 @@ class Job:
             pass
 
 
+class Metrics:
+    """What ``GET /metrics`` reports, in Prometheus' text format (a registry of this server's own)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+            return Counter(f"dflash_{name}", doc, labels, registry=self.registry)
+
+        self.requests = counter("requests", "Requests answered, by endpoint and HTTP status", ("endpoint", "status"))
+        self.prompt = counter("prompt_tokens", "Prompt tokens of the requests run")
+        self.cached = counter("cached_prompt_tokens", "Prompt tokens reused from the cache, not prefilled")
+        self.generated = counter("generated_tokens", "Tokens generated")
+        self.drafted = counter("drafted_tokens", "Tokens the drafter proposed")
+        self.accepted = counter("accepted_tokens", "Drafted tokens the target accepted")
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from the start of a request's "
+                              "generation to its first token", registry=self.registry,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.speed = Histogram("dflash_decode_tokens_per_second", "Decode speed of each request (tokens after the "
+                               "first)", registry=self.registry,
+                               buckets=(1, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000))
+
+    def record(self, run: GenerationResult, ttft: float) -> None:
+        self.prompt.inc(run.prompt_tokens)
+        self.cached.inc(run.prompt_cached)
+        self.generated.inc(len(run.tokens))
+        self.drafted.inc(sum(run.drafted))
+        self.accepted.inc(sum(run.acceptance))
+        self.ttft.observe(ttft)
+        if len(run.tokens) > 1:
+            self.speed.observe(run.generation_tps)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
 class Engine:
     """The loaded pair, its caches across requests, and the loop that runs requests one at a time.
 
@@ -182,12 +103,15 @@ class Engine:
     """
 
     def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
-                 sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None):
+                 sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
+                 defaults: Defaults = Defaults()):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size)
+        self.defaults = defaults
         self.cache = make_cache(target, drafter, window, sinks, block_size)
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.cancelled = 0  # requests whose client left before they finished
+        self.metrics = Metrics()
 
     def run(self, serving: Callable[[], bool]) -> None:
         """Answer queued requests in order while ``serving()`` holds.
@@ -218,17 +142,12 @@ class Engine:
     def _mirror(self, completion: Optional[Completion]) -> Optional[Completion]:
         """Rank 0's next request (None: stop), on every rank of a sharded target; a no-op on one machine.
 
-        Only what decides the tokens travels: the prompt ids, the budget, sampling and stop strings.
+        Only what decides the tokens travels (``Completion.SHARED``).
         """
         if self.target.group is None:
             return completion
-        fields = ("ids", "max_tokens", "sampling", "stop")
-        data = b"" if completion is None else json.dumps({k: getattr(completion, k) for k in fields}).encode()
-        received = from_main_bytes(data, self.target.group)
-        if not received:
-            return None
-        shared = json.loads(received)
-        return Completion(**shared, stream=False, include_usage=False, chat=False)
+        received = from_main_bytes(b"" if completion is None else completion.shared(), self.target.group)
+        return Completion.from_shared(received) if received else None
 
     def _answer(self, job: Job) -> None:
         try:
@@ -254,16 +173,19 @@ class Engine:
             if self._cancelled(job):
                 raise _ClientLeft
 
+        started = time.perf_counter()
         responses = stream_generate(
             self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, cache=self.cache, stop=c.stop,
-            prompt_progress_callback=prefilling, **self.options, **c.sampling,
+            logprobs=c.logprobs, prompt_progress_callback=prefilling, **self.options, **c.sampling,
         )
-        seen = []
+        seen: list[GenerationResponse] = []
+        ttft = 0.0
         try:
             for r in responses:
+                if not seen:
+                    ttft = time.perf_counter() - started
                 seen.append(r)
-                if r.text:
-                    job.report("text", r.text)
+                job.report("piece", {"text": r.text, "tokens": r.tokens, "logprobs": r.logprobs, "top": r.top_logprobs})
                 if r.finish_reason:
                     break
                 if self._cancelled(job):
@@ -276,36 +198,42 @@ class Engine:
             job.report("done", None)
             return
         run = GenerationResult.from_responses(seen)
-        usage = {
-            "prompt_tokens": run.prompt_tokens, "completion_tokens": len(run.tokens),
-            "total_tokens": run.prompt_tokens + len(run.tokens),
-            "prompt_tokens_details": {"cached_tokens": run.prompt_cached},
+        self.metrics.record(run, ttft)
+        job.report("done", {
+            "finish_reason": run.finish_reason, "stop_sequence": run.stop_sequence,
+            "prompt_tokens": run.prompt_tokens, "cached_tokens": run.prompt_cached, "completion_tokens": len(run.tokens),
             "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate},
-        }
-        job.report("done", {"finish_reason": run.finish_reason, "usage": usage})
+            "decode_tps": run.generation_tps,
+        })
 
 
 class _ClientLeft(Exception):
     """Raised inside a generation (prefill included) whose client is gone: the generator abandons its cycle."""
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MAX_BODY_BYTES) -> Any:
-    """The Starlette application over ``engine``."""
+def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MAX_BODY_BYTES,
+               allowed_origins: tuple[str, ...] = ()) -> Any:
+    """The Starlette application over ``engine``: OpenAI's and Anthropic's endpoints, health and metrics."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def refusal(e: APIError, anthropic: bool) -> JSONResponse:
+        body = anthropic_api.error_body(e) if anthropic else e.body()
+        return JSONResponse(body, status_code=e.status)
 
     def authorize(request: Request) -> None:
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key",
-                               kind="authentication_error")
+        """``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)."""
+        if api_key is None:
+            return
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                           code="invalid_api_key", kind="authentication_error")
 
     async def read_json(request: Request) -> Any:
         authorize(request)
@@ -322,89 +250,123 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON ({e})") from None
 
-    async def completions(request: Request, chat: bool) -> Response:
-        try:
-            body = await read_json(request)
-            completion = parse(body, chat, engine.tokenizer, engine.target)
-        except APIError as e:
-            return error(e)
-        job = Job(completion, asyncio.get_running_loop())
-        engine.jobs.put(job)
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        head = {"id": ident, "created": created, "model": engine.name}
-        if completion.stream:
-            return StreamingResponse(_stream(job, head, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        pieces: list[str] = []
+    def logged(request: Request, status: int, started: float, done: Optional[dict[str, Any]] = None) -> None:
+        """One line per request, and the request counter."""
+        engine.metrics.requests.labels(request.url.path, str(status)).inc()
+        figures = ""
+        if done:
+            figures = (f" prompt {done['prompt_tokens']} tok ({done['cached_tokens']} cached) -> "
+                       f"{done['completion_tokens']} tok @ {done['decode_tps']:.1f} tok/s, tau "
+                       f"{done['dflash']['tau']:.2f}, {done['finish_reason']}")
+        log.info("%s %s %d%s in %.2f s", request.method, request.url.path, status, figures,
+                 time.perf_counter() - started)
+
+    async def events(request: Request, job: Job, stream: bool) -> AsyncIterator[tuple[str, Any]]:
+        """The engine's reports for ``job``; a client that leaves a non-streamed request cancels it."""
         try:
             while True:
                 try:
-                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    kind, value = await asyncio.wait_for(job.events.get(), timeout=None if stream else 0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        job.cancelled.set()
-                        return Response(status_code=499)
+                        return
                     continue
-                if kind == "text":
-                    pieces.append(value)
-                elif kind == "error":
-                    return error(value)
-                else:
-                    break
+                yield kind, value
+                if kind != "piece":
+                    return
         finally:
-            job.cancelled.set()  # a no-op once done; stops the work if this handler was cancelled
-        text, reason, usage = "".join(pieces), value["finish_reason"], value["usage"]
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                   "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [choice], "usage": usage})
+            job.cancelled.set()  # a no-op once done; stops the work if the client left
 
-    async def _stream(job: Job, head: dict[str, Any], chat: bool) -> AsyncIterator[str]:
-        kind_name = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: Optional[str], reason: Optional[str] = None, role: bool = False) -> str:
-            if chat:
-                d = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-            body = {**head, "object": kind_name, "choices": [choice]}
-            if job.completion.include_usage:
-                body["usage"] = None
-            return f"data: {json.dumps(body)}\n\n"
-
+    async def answer(request: Request, parse: Callable[[Any], Completion], make: Callable[[Completion], Any],
+                     anthropic: bool = False) -> Response:
+        """Parse, queue, and answer whole or as server-sent events, with the answer object ``make`` builds."""
+        started = time.perf_counter()
         try:
-            if chat:
-                yield chunk(None, role=True)
-            while True:
-                kind, value = await job.events.get()
-                if kind == "text":
-                    yield chunk(value)
+            completion = parse(await read_json(request))
+        except APIError as e:
+            logged(request, e.status, started)
+            return refusal(e, anthropic)
+        job = Job(completion, asyncio.get_running_loop())
+        engine.jobs.put(job)
+        reply = make(completion)
+        if completion.stream:
+            return StreamingResponse(stream(request, job, reply, anthropic, started), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        async for kind, value in events(request, job, stream=False):
+            if kind == "piece":
+                reply.add(value)
+            elif kind == "error":
+                logged(request, value.status, started)
+                return refusal(value, anthropic)
+            elif value is not None:
+                logged(request, 200, started, value)
+                return JSONResponse(reply.whole(value))
+        logged(request, 499, started)
+        return Response(status_code=499)  # the client left
+
+    async def stream(request: Request, job: Job, reply: Any, anthropic: bool, started: float) -> AsyncIterator[str]:
+        def sse(data: dict[str, Any], event: Optional[str] = None) -> str:
+            return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data)}\n\n"
+
+        status, done = 200, None
+        try:
+            if anthropic:
+                for name, data in reply.start(len(job.completion.ids), 0):
+                    yield sse(data, name)
+            elif (first := reply.first()) is not None:
+                yield sse(first)
+            async for kind, value in events(request, job, stream=True):
+                if kind == "piece":
+                    for item in reply.add(value):
+                        yield sse(item[1], item[0]) if anthropic else sse(item)
                 elif kind == "error":
-                    yield f"data: {json.dumps(value.body())}\n\n"
-                    break
+                    status = value.status
+                    yield sse(anthropic_api.error_body(value), "error") if anthropic else sse(value.body())
+                elif value is not None:
+                    done = value
+                    for item in reply.last(value):
+                        yield sse(item[1], item[0]) if anthropic else sse(item)
                 else:
-                    if value is not None:
-                        yield chunk(None, value["finish_reason"])
-                        if job.completion.include_usage:
-                            yield f"data: {json.dumps({**head, 'object': kind_name, 'choices': [], 'usage': value['usage']})}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
+                    status = 499
+            if not anthropic:
+                yield "data: [DONE]\n\n"
         finally:
-            job.cancelled.set()  # the client left (or the stream ended): the worker stops at its next cycle
+            logged(request, status, started, done)
+
+    def head(prefix: str) -> dict[str, Any]:
+        return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": engine.name}
 
     async def chat_completions(request: Request) -> Response:
-        return await completions(request, chat=True)
+        return await answer(request, lambda body: openai_api.parse(body, True, engine.tokenizer, engine.target,
+                                                                   engine.defaults),
+                            lambda c: openai_api.ChatAnswer(head("chatcmpl"), c, engine.tokenizer))
 
     async def text_completions(request: Request) -> Response:
-        return await completions(request, chat=False)
+        return await answer(request, lambda body: openai_api.parse(body, False, engine.tokenizer, engine.target,
+                                                                   engine.defaults),
+                            lambda c: openai_api.TextAnswer(head("cmpl"), c, engine.tokenizer))
+
+    async def messages(request: Request) -> Response:
+        return await answer(request, lambda body: anthropic_api.parse(body, engine.tokenizer, engine.target,
+                                                                      engine.defaults),
+                            lambda c: anthropic_api.MessageAnswer(f"msg_{uuid.uuid4().hex[:24]}", engine.name, c,
+                                                                  engine.tokenizer), anthropic=True)
+
+    async def count_tokens(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            ids, _ = anthropic_api.prompt(await read_json(request), engine.tokenizer)
+        except APIError as e:
+            logged(request, e.status, started)
+            return refusal(e, anthropic=True)
+        logged(request, 200, started)
+        return JSONResponse({"input_tokens": len(ids)})
 
     async def models(request: Request) -> Response:
         try:
             authorize(request)
         except APIError as e:
-            return error(e)
+            return refusal(e, anthropic=False)
         return JSONResponse({"object": "list", "data": [
             {"id": engine.name, "object": "model", "created": 0, "owned_by": "dflash-mlx"}]})
 
@@ -414,31 +376,48 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
                              "active_memory_bytes": mx.get_active_memory(),
                              "cache_memory_bytes": mx.get_cache_memory(), "cached_tokens": len(engine.cache.tokens)})
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error(APIError(exc.status_code, exc.detail or "not found", code="not_found"))
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
 
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        anthropic = request.url.path.startswith("/v1/messages")
+        return refusal(APIError(exc.status_code, exc.detail or "not found", code="not_found"), anthropic)
+
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                             allow_headers=["*"])] if allowed_origins else []
     return Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", text_completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
+        middleware=middleware,
         exception_handlers={HTTPException: http_error},
     )
 
 
 def serve(engine: Engine, host: str, port: int, api_key: Optional[str] = None,
-          on_ready: Callable[[], None] = lambda: None) -> None:
+          on_ready: Callable[[], None] = lambda: None, allowed_origins: tuple[str, ...] = (),
+          log_level: str = "info") -> None:
     """Listen on ``host:port`` in a thread and answer requests on this one, until Ctrl-C.
 
     ``on_ready`` runs once the port is bound. A port in use (or an address that is
-    not this machine's) is a one-line DFlashError; Ctrl-C stops cleanly.
+    not this machine's) is a one-line DFlashError; Ctrl-C stops cleanly. Each request
+    logs one line on stderr at ``log_level`` info (and below).
     """
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key), host=host, port=port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(log_level.upper())
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key, allowed_origins=allowed_origins),
+                                           host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="dflash-mlx http", daemon=True)
     http.start()
     while not server.started and http.is_alive():

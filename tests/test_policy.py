@@ -331,13 +331,18 @@ def test_adaptive_is_the_default_and_reports_its_depths(looping):
 
 
 def test_seeded_sampling_drafts_full_blocks_and_reproduces(pairs):
-    """The draw depends on the depths, so a seeded sampled run does not adapt: same seed, same tokens."""
+    """Seeded rejection sampling's draw depends on the depths, so it does not adapt: same seed, same tokens. A
+    seeded run by default (verify "auto": match, a key per position) adapts and reproduces all the same."""
     target, drafter, tokenizer = pairs["qwen3"]
-    runs = [generate(target, drafter, tokenizer, PROMPTS[1], max_tokens=60, eos_token_ids=[], temperature=0.9, seed=3)
-            for _ in range(2)]
+    runs = [generate(target, drafter, tokenizer, PROMPTS[1], max_tokens=60, eos_token_ids=[], temperature=0.9, seed=3,
+                     verify="rejection") for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens
     emitted = 1 + np.cumsum([0] + [a + 1 for a in runs[0].acceptance[:-1]])
     assert runs[0].drafted == [min(drafter.block_size - 1, 60 - e - 1) for e in emitted]
+    default = [generate(target, drafter, tokenizer, PROMPTS[1], max_tokens=60, eos_token_ids=[], temperature=0.9,
+                        seed=3) for _ in range(2)]
+    assert default[0].tokens == default[1].tokens
+    assert default[0].depth_histogram[0] > 0  # the adaptive policy decoded plainly where drafting did not pay
 
 
 def test_generate_json_reports_depths(models_dir):

@@ -73,7 +73,8 @@ def _chi_square_same(a: list, b: list, alpha_z: float = 3.09) -> tuple[float, fl
     return stat, critical
 
 
-T1, TOP_P = dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)
+# Seeded runs: verify is named, since "auto" resolves to match when seeded.
+T1, TOP_P = dict(temperature=1.0, verify="rejection"), dict(temperature=1.0, top_p=0.9, verify="rejection")
 
 
 @pytest.mark.parametrize(
@@ -222,7 +223,7 @@ def test_seed_reproducible(pairs):
         (dict(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(temperature=1.0, top_k=-1), "top_k must be an integer >= 0"),
         (dict(temperature=1.0, min_p=1.5), r"min_p must be in \[0, 1\]"),
-        (dict(temperature=1.0, verify="maybe"), "verify must be one of rejection, match"),
+        (dict(temperature=1.0, verify="maybe"), "verify must be one of auto, rejection, match"),
     ],
 )
 def test_bad_sampling_values(pairs, kwargs, match):
@@ -235,7 +236,7 @@ def test_cli_sampling_flags(models_dir):
     base = ["generate", str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "-p", "hi", "-m", "20", "--json"]
     a = CliRunner().invoke(app, base + ["--temp", "0.7", "--top-p", "0.9", "--top-k", "50", "--min-p", "0.05", "--seed", "3"])
     b = CliRunner().invoke(app, base + ["--temp", "0.7", "--top-p", "0.9", "--top-k", "50", "--min-p", "0.05", "--seed", "3",
-                                        "--verify", "rejection"])
+                                        "--verify", "match"])  # what --verify auto (the default) runs with a seed
     assert a.exit_code == 0, a.output
     assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]  # the seed fixes the sample
     bad = CliRunner().invoke(app, base + ["--temp", "-1"])

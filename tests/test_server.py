@@ -108,6 +108,15 @@ def test_chat_completion_equals_generate(client, pairs):
     assert {"tau", "acceptance_rate", "cycles"} <= set(chunks[-1].usage.model_extra["dflash"])
 
 
+def test_a_request_without_sampling_settings_gets_the_servers_defaults(client, pairs):
+    """As mlx-lm's server: --temp (0, greedy) and --max-tokens for what a request leaves out, so a client that
+    sends no temperature (the llm CLI) gets greedy text, not OpenAI's 1.0."""
+    ref = _expected(pairs, MESSAGES, 40)
+    for _ in range(2):
+        out = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40)
+        assert out.choices[0].message.content == ref.text
+
+
 def test_text_completion_and_length(client, pairs):
     target, drafter, tokenizer = pairs["qwen3"]
     ids = tokenizer.encode("The quick brown fox")
@@ -182,7 +191,11 @@ def test_multi_turn_reuses_the_cache(client):
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (json.dumps({"model": "x", "messages": MESSAGES, "n": 2}).encode(), 400, "n"),
-    (json.dumps({"model": "x", "messages": MESSAGES, "logprobs": True}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "logprobs": "yes"}).encode(), 400, "logprobs"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "logprobs": True, "top_logprobs": 21}).encode(), 400,
+     "top_logprobs"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "response_format": {"type": "json_object"}}).encode(), 400,
+     "response_format"),
     (json.dumps({"model": "x", "messages": MESSAGES, "tools": [{"type": "function"}]}).encode(), 400, "tools"),
     (json.dumps({"model": "x", "messages": "hi"}).encode(), 400, "messages"),
     (json.dumps({"model": "x", "messages": MESSAGES, "max_tokens": -1}).encode(), 400, "max_tokens"),
