@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 
 from .errors import DFlashError
 
@@ -250,6 +250,77 @@ def trim_to(caches: list[Any], length: int) -> None:
             raise RuntimeError(f"layer {i} ({type(c).__name__}) holds {c.offset} tokens, cannot return to {length}")
 
 
+# A layer's cache as plain data: its kind, its arrays and its integers. What a snapshot holds and a file stores.
+LayerState = tuple[str, list[mx.array], dict[str, int]]
+
+
+def layer_state(c: Any) -> LayerState:
+    """What a layer's cache holds, in new array objects: later writes to the cache never reach them.
+
+    (MLX shares the buffers, copying on the first write, so taking a state costs no copy.)
+    """
+    if isinstance(c, WindowKVCache):
+        n = c._stored(c.offset)
+        arrays = [] if c.keys is None else [c.keys[..., :n, :], c.values[..., :n, :]]
+        return "window", arrays, {"window": c.window, "sinks": c.sinks, "slack": c.slack, "offset": c.offset}
+    if isinstance(c, RecurrentCache):
+        return "recurrent", [a[...] for a in c.cache if a is not None], {"offset": c.offset}
+    if isinstance(c, KVCache):
+        arrays = [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return "full", arrays, {"offset": c.offset}
+    raise TypeError(f"no snapshot for a {type(c).__name__}")
+
+
+def set_layer_state(c: Any, state: LayerState) -> None:
+    """Put ``state`` (from ``layer_state``) into a fresh cache of the same kind, in array objects of its own."""
+    kind, arrays, meta = state
+    if kind != layer_state(c)[0] or len(arrays) not in (0, 2):
+        raise ValueError(f"a {kind} layer state does not fit a {type(c).__name__}")
+    arrays = [a[...] for a in arrays]  # writes to this cache must not reach the snapshot's objects
+    if kind == "window":
+        if (meta["window"], meta["sinks"], meta["slack"]) != (c.window, c.sinks, c.slack):
+            raise ValueError("window settings differ")
+        c.keys, c.values = arrays if arrays else (None, None)
+    elif kind == "recurrent":
+        c.cache = arrays if arrays else [None, None]
+        c.replay, c.last_update = None, 0
+    else:
+        c.keys, c.values = arrays if arrays else (None, None)
+    c.offset = meta["offset"]
+
+
+@dataclass
+class CacheState:
+    """What a ``DFlashCache`` holds at a point of its history, apart from it: a prompt-cache entry."""
+
+    tokens: list[int]
+    target: list[LayerState]
+    drafter: list[LayerState]
+    context: Optional[mx.array]  # the pending features
+    window: Optional[int]
+    sinks: int
+    block_size: int
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        layers = [a for _, arrays, _ in self.target + self.drafter for a in arrays]
+        return layers + ([self.context] if self.context is not None else [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether the caches can go back to any point of the history (every layer full attention)."""
+        return all(kind == "full" for kind, _, _ in self.target + self.drafter)
+
+
+def rewindable(layers: list[Any]) -> bool:
+    """Whether these layer caches can go back to any point of their history (full attention only)."""
+    return all(type(c) is KVCache for c in layers)
+
+
 @dataclass(eq=False)
 class DFlashCache:
     """Target and drafter caches that outlive one generation, and the history they hold.
@@ -402,6 +473,41 @@ class DFlashCache:
         self.target, self.drafter = self.fresh()
         self.tokens = []
         self.context = None
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether the caches can return to any point of their history (else only to where a snapshot was kept)."""
+        return rewindable(self.target + self.drafter)
+
+    def snapshot(self) -> CacheState:
+        """What the caches hold now (between cycles or prefill chunks), kept apart from them."""
+        context = self.context
+        return CacheState(list(self.tokens), [layer_state(c) for c in self.target], [layer_state(c) for c in self.drafter],
+                          None if context is None else context[...], self.window, self.sinks, self.block_size)
+
+    def restore(self, state: CacheState) -> None:
+        """Take over a snapshot's history (a generation in flight loses the cache); refused if it does not fit."""
+        if (state.window, state.sinks, state.block_size) != (self.window, self.sinks, self.block_size):
+            raise DFlashError(f"the snapshot was taken with window={state.window}, sinks={state.sinks}, "
+                              f"block_size={state.block_size}; this cache uses window={self.window}, "
+                              f"sinks={self.sinks}, block_size={self.block_size}")
+        target, drafter = self.fresh()
+        if len(state.target) != len(target) or len(state.drafter) != len(drafter):
+            raise DFlashError("the snapshot was taken of another model's caches (their layers differ)")
+        try:
+            for c, layer in zip(target + drafter, state.target + state.drafter):
+                set_layer_state(c, layer)
+        except (ValueError, KeyError) as e:
+            raise DFlashError(f"the snapshot does not fit these caches ({e})") from None
+        self.abandon()
+        self._owner = None
+        self.target, self.drafter, self.tokens = target, drafter, list(state.tokens)
+        self.context = None if state.context is None else state.context[...]
+        try:
+            self.check()
+        except RuntimeError as e:
+            self.reset()
+            raise DFlashError(f"the snapshot's caches disagree with its history ({e})") from None
 
     def check(self) -> None:
         """Raise RuntimeError unless the invariant holds (tests call this after every call)."""

@@ -7,6 +7,7 @@ commands on it (the CLI only reads lines and prints).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from .caches import make_cache
 from .chat_template import has_chat_template, render
 from .errors import DFlashError
 from .files import write_atomic
+from .prompt_cache import cache_file, fingerprint, read_state, write_state
 from .generate import INTERRUPTED, GenerationResponse, GenerationResult, generate
 
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
@@ -136,15 +138,41 @@ class ChatSession:
         self.messages.clear()
         self.replies.clear()
         self.last = None
-        self.ids = None
-        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
+        self.reset_caches()
 
-    def save(self, path: str) -> None:
-        """The conversation as JSON (system prompt and messages), written atomically."""
-        write_atomic(path, json.dumps({"system": self.system, "messages": self.messages}, indent=1))
+    def _conversation(self) -> str:
+        return json.dumps({"system": self.system, "messages": self.messages}, indent=1)
 
-    def load(self, path: str) -> None:
-        """Replace the conversation with one written by /save; a bad file says why and changes nothing."""
+    def _fingerprint(self) -> str:
+        return fingerprint(self.target, self.drafter, self.window, self.sinks, self.cache.block_size)
+
+    def save(self, path: str) -> str:
+        """The conversation as JSON (system prompt and messages), and beside it its caches; what was saved.
+
+        Both are written atomically. With the caches, ``load`` resumes the conversation
+        prefilling only the next message; a conversation saved without them (no reply
+        yet, a sharded target) reloads with its history prefilled.
+        """
+        conversation = self._conversation()
+        write_atomic(path, conversation)
+        caches = cache_file(Path(path).expanduser())
+        if self.ids is None or self.target.group is not None or not self.cache.tokens:
+            caches.unlink(missing_ok=True)  # never leave an older conversation's caches beside this one
+            return f"{len(self.messages)} messages"
+        extra = {"ids": self.ids, "conversation": hashlib.sha256(conversation.encode()).hexdigest()}
+        try:
+            write_state(caches, self.cache.snapshot(), self._fingerprint(), extra)
+        except (OSError, DFlashError) as e:
+            caches.unlink(missing_ok=True)
+            return f"{len(self.messages)} messages; caches not saved: {getattr(e, 'strerror', None) or e}"
+        return f"{len(self.messages)} messages, caches beside it"
+
+    def load(self, path: str) -> str:
+        """Replace the conversation with one written by /save (and its caches if they are there); what was loaded.
+
+        A bad conversation file says why and changes nothing; caches that cannot be used
+        (another model, a damaged file, an edited conversation) only cost a prefill.
+        """
         source = Path(path).expanduser()
 
         def bad(why: str) -> DFlashError:
@@ -173,6 +201,27 @@ class ChatSession:
         self.reset()
         self.system = data.get("system")
         self.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return f"{len(self.messages)} messages{self._restore(source)}"
+
+    def _restore(self, source: Path) -> str:
+        """The saved conversation's caches, if they were saved with it, by this pair, and it is unchanged since."""
+        caches = cache_file(source)
+        if not caches.is_file() or self.target.group is not None:
+            return ""
+        try:
+            state, extra = read_state(caches, self._fingerprint())
+            if extra.get("conversation") != hashlib.sha256(self._conversation().encode()).hexdigest():
+                raise ValueError("the conversation was edited since")
+            self.cache.restore(state)
+        except (OSError, ValueError, DFlashError) as e:
+            self.reset_caches()
+            return f"; its caches not used: {e}"
+        self.ids = list(extra["ids"])
+        return ", caches restored"
+
+    def reset_caches(self) -> None:
+        self.ids = None
+        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
 
 
 def _cut_short(responses: list[GenerationResponse]) -> Optional[GenerationResult]:
@@ -265,9 +314,9 @@ def run_command(session: ChatSession, line: str, out: Console) -> bool:
         if command == "/save" and not distributed.is_main():  # one file, from rank 0
             return True
         try:
-            session.save(arg) if command == "/save" else session.load(arg)
-            out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {escape(arg)} "
-                      f"({len(session.messages)} messages)[/]")
+            what = session.save(arg) if command == "/save" else session.load(arg)
+            out.print(f"[dim]{'saved to' if command == '/save' else 'loaded'} {escape(arg)} ({escape(what)})[/]",
+                      soft_wrap=True)
         except DFlashError as e:
             out.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)  # one line, however long
     else:

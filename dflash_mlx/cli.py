@@ -612,6 +612,34 @@ def bench(
         raise typer.Exit(130)
 
 
+def _size(text: str, flag: str) -> int:
+    """'8GB', '512MiB', '1.5G' or plain bytes, in bytes."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    value = text.strip().upper().removesuffix("B")
+    number = value.rstrip("KMGTI")
+    try:
+        size = float(number) * units[value[len(number):]]
+    except (ValueError, KeyError):
+        raise DFlashError(f"{flag} takes a size like 8GB, 512MiB or a number of bytes, got {text!r}") from None
+    if size <= 0:
+        raise DFlashError(f"{flag} must be above 0, got {text!r}")
+    return int(size)
+
+
+def _cache_dir(path: str) -> Path:
+    """A folder for the prompt cache: made if missing, refused in one line if it cannot be written."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise DFlashError(f"--prompt-cache-dir {path} is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"--prompt-cache-dir {path}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"--prompt-cache-dir {path} is not writable")
+    return folder
+
+
 def _duration(text: str) -> float:
     """'90', '90s', '15m' or '1.5h' in seconds."""
     units = {"s": 1, "m": 60, "h": 3600}
@@ -740,10 +768,16 @@ def serve(
     allowed_origins: Optional[str] = typer.Option(
         None, "--allowed-origins", help="CORS: comma-separated origins browser pages may call from ('*': any) \\[default: none]."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info (a line per request), warning or error."),
+    cache_entries: int = typer.Option(10, "--prompt-cache-size", help="Conversations' caches kept in memory."),
+    cache_bytes: Optional[str] = typer.Option(
+        None, "--prompt-cache-bytes", help="Memory cap of the kept caches, e.g. 8GB \\[default: a quarter of memory]."),
+    cache_dir: Optional[str] = typer.Option(
+        None, "--prompt-cache-dir", help="Keep the caches on disk too, here; a restart resumes from them \\[default: off]."),
+    cache_disk_bytes: str = typer.Option("20GB", "--prompt-cache-disk-bytes", help="Size cap of --prompt-cache-dir."),
 ) -> None:
     """Serve the pair over OpenAI's and Anthropic's HTTP APIs (chat, text completions, messages; tools, reasoning)."""
     from .api import Defaults
-    from .system import install_hint
+    from .system import install_hint, machine_description
 
     try:
         import prometheus_client  # noqa: F401
@@ -762,13 +796,21 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise DFlashError(f"--log-level takes debug, info, warning or error, got {log_level!r}")
     origins = tuple(o.strip() for o in (allowed_origins or "").split(",") if o.strip())
+    if cache_entries < 1:
+        raise DFlashError(f"--prompt-cache-size must be >= 1, got {cache_entries}")
+    memory_cap = _size(cache_bytes, "--prompt-cache-bytes") if cache_bytes else None
+    disk_cap = _size(cache_disk_bytes, "--prompt-cache-disk-bytes")
+    directory = _cache_dir(cache_dir) if cache_dir is not None else None
     with err.status("loading the model"):
         model, tgt, drafter, tokenizer = _load(model, target, chat_template)
     _check_loaded(window, sinks, block_size, drafter)
     _warn_blas()
+    if memory_cap is None and tgt.group is None:
+        memory_cap = machine_description()["memory_bytes"] // 4
     engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                    prefill_step_size=prefill_step_size,
-                    defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens))
+                    prefill_step_size=prefill_step_size, defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens),
+                    cache_entries=cache_entries, cache_bytes=memory_cap, cache_dir=directory,
+                    cache_disk_bytes=disk_cap)
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return

@@ -263,12 +263,15 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
         draft, target = str(bundle / "draft"), target or str(bundle / "target")
     else:
         draft, target, _ = registry_resolve(draft, target)
-    drafter = load_drafter(resolve(draft, "drafter"))
+    draft_path = resolve(draft, "drafter")
+    drafter = load_drafter(draft_path)
     if target is None:
         raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
     group = distributed.group()
-    model, tokenizer = load_target(resolve(target, "target"), group, chat_template)
+    target_path = resolve(target, "target")
+    model, tokenizer = load_target(target_path, group, chat_template)
     tgt = Target(model, drafter.target_layer_ids, group)
+    tgt.source, drafter.source = target_path, draft_path  # what a saved cache records it was made with
     check_pair(tgt, drafter)
     dtype = tgt.dtype
     drafter.update(cast_floats(drafter.parameters(), dtype))

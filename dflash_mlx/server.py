@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
 import mlx.core as mx
@@ -31,6 +32,7 @@ from .caches import make_cache
 from .distributed import from_main, from_main_bytes
 from .errors import DFlashError
 from .generate import GenerationResponse, GenerationResult, stream_generate
+from .prompt_cache import PromptCache, fingerprint
 
 MAX_BODY_BYTES = 4 * 2**20
 log = logging.getLogger("dflash_mlx.serve")
@@ -104,11 +106,18 @@ class Engine:
 
     def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
                  sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
-                 defaults: Defaults = Defaults()):
+                 defaults: Defaults = Defaults(), cache_entries: int = 10, cache_bytes: Optional[int] = None,
+                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size)
         self.defaults = defaults
-        self.cache = make_cache(target, drafter, window, sinks, block_size)
+        cache = make_cache(target, drafter, window, sinks, block_size)
+        if target.group is not None and (cache_dir is not None or cache_bytes is not None):
+            # Every rank must choose the same entry: by count alone (a rank's bytes are its share's).
+            raise DFlashError("a sharded target keeps its prompt cache by entry count only: drop --prompt-cache-dir "
+                              "and --prompt-cache-bytes under mlx.launch")
+        print_ = fingerprint(target, drafter, window, sinks, cache.block_size) if cache_dir is not None else None
+        self.store = PromptCache(cache, cache_entries, cache_bytes, cache_dir, cache_disk_bytes, print_)
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.cancelled = 0  # requests whose client left before they finished
         self.metrics = Metrics()
@@ -133,6 +142,12 @@ class Engine:
                 self._answer(job)
         finally:
             self._mirror(None)
+            self.store.close()  # what was kept is on disk before the process ends
+
+    @property
+    def cache(self) -> Any:
+        """The caches requests generate with (the prompt cache restores entries into it)."""
+        return self.store.cache
 
     def follow(self) -> None:
         """Ranks > 0 of a sharded target: run the requests rank 0 hands over, until it stops."""
@@ -172,7 +187,10 @@ class Engine:
         def prefilling(done: int, total: int) -> None:  # between prefill chunks: stop if the client left
             if self._cancelled(job):
                 raise _ClientLeft
+            if done == total:
+                self.store.prompt_done()
 
+        self.store.prepare(c.ids)
         started = time.perf_counter()
         responses = stream_generate(
             self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, cache=self.cache, stop=c.stop,
@@ -194,6 +212,7 @@ class Engine:
             self.cancelled += 1
         finally:
             responses.close()  # leaves the caches holding the committed history
+            self.store.keep()
         if not seen or not seen[-1].finish_reason:
             job.report("done", None)
             return
@@ -374,7 +393,8 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
         return JSONResponse({"status": "ok", "model": engine.name, "waiting": engine.jobs.qsize(),
                              "cancelled": engine.cancelled,
                              "active_memory_bytes": mx.get_active_memory(),
-                             "cache_memory_bytes": mx.get_cache_memory(), "cached_tokens": len(engine.cache.tokens)})
+                             "cache_memory_bytes": mx.get_cache_memory(), "cached_tokens": len(engine.cache.tokens),
+                             "prompt_cache": engine.store.stats()})
 
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST

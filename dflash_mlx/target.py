@@ -14,6 +14,7 @@ recurrent state can be rolled back to any prefix of a verified block.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -133,6 +134,7 @@ class Target:
                 f"drafter target_layer_ids {self.layer_ids} out of range for a {n}-layer target (bad: {bad})"
             )
         self._capture = set(self.layer_ids)  # a layer listed twice is captured once, used twice
+        self.source: Optional[Path] = None  # the folder it was loaded from (``load`` sets it)
 
     @property
     def num_layers(self) -> int:

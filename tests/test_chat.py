@@ -166,7 +166,7 @@ def two_turns(models_dir, tmp_path_factory):
     try:
         first = chat.say(LONG_MESSAGE)
         second = chat.say(SHORT_MESSAGE)
-        assert chat.command("/save chat.json") == "saved to chat.json (4 messages)"
+        assert chat.command("/save chat.json") == "saved to chat.json (4 messages, caches beside it)"
         chat.type("/quit")
         assert chat.wait_exit() == 0
     finally:
@@ -198,12 +198,13 @@ def test_second_turn_prefills_only_the_new_message(two_turns, tokenizer):
 
 
 def test_save_reset_load(spawn, tmp_path, tokenizer):
-    """A saved conversation comes back whole; being reloaded, its history is prefilled (nothing is cached)."""
+    """A saved conversation comes back whole with its caches: the next message prefills only itself. Without the
+    caches (deleted, or not this pair's), its history is prefilled."""
     path = tmp_path / "conversation.json"
     chat = spawn()
     chat.say("hello there")
     chat.say("how are you")
-    assert chat.command(f"/save {path.name}") == f"saved to {path.name} (4 messages)"
+    assert chat.command(f"/save {path.name}") == f"saved to {path.name} (4 messages, caches beside it)"
     saved = json.loads(path.read_text())
     assert saved["system"] is None
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"] * 2
@@ -211,9 +212,13 @@ def test_save_reset_load(spawn, tmp_path, tokenizer):
 
     assert chat.command("/reset") == "conversation reset"
     assert chat.command("/stats") == "no reply yet"
-    assert chat.command(f"/load {path.name}") == f"loaded {path.name} (4 messages)"
+    assert chat.command(f"/load {path.name}") == f"loaded {path.name} (4 messages, caches restored)"
     assert chat.command("/stats") == "no reply yet"  # loading starts a fresh conversation
+    new = tokenizer.encode("<|im_end|>\n<|im_start|>user\ntell me more<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.say("tell me more")["prefilled"] <= len(new) + 1  # the new message (and the last reply's token)
 
+    (tmp_path / f"{path.name}.cache.safetensors").unlink()
+    assert chat.command(f"/load {path.name}") == f"loaded {path.name} (4 messages)"
     stats = chat.say("tell me more")
     full = saved["messages"] + [{"role": "user", "content": "tell me more"}]
     assert stats["prefilled"] == prompt_length(tokenizer, full)
@@ -364,7 +369,7 @@ def test_load_says_what_is_wrong_with_a_file(spawn, tmp_path):
     chat.say("hello")
     for name, problem in problems.items():
         assert chat.command(f"/load {name}") == f"error: cannot load conversation {name}: {problem}"
-    assert chat.command("/save kept.json") == "saved to kept.json (2 messages)"
+    assert chat.command("/save kept.json") == "saved to kept.json (2 messages, caches beside it)"
     assert chat.say("and again")["prefilled"] > 0
 
 
@@ -375,7 +380,7 @@ def test_brackets_in_commands_are_printed_verbatim(models_dir, tmp_path):
                          capture_output=True, text=True, encoding="utf-8", env=ENV, timeout=TIMEOUT)
     assert "Traceback" not in run.stderr and run.returncode == 0, run.stderr
     assert "unknown command /foo[/x]; /help lists them" in run.stdout
-    assert "saved to a[/x]/c.json (2 messages)" in run.stdout
+    assert "saved to a[/x]/c.json (2 messages, caches beside it)" in run.stdout
 
 
 # --- 6. piped stdin -----------------------------------------------------------------------------

@@ -1,0 +1,331 @@
+"""Many conversations' caches: in memory (an LRU within an entry count and a byte cap) and on disk.
+
+An entry is a ``CacheState``: the target's caches, the drafter's context caches and its
+pending features, and the history they hold, so drafting after a restore is what it
+would have been without one. A request resumes from the entry with the longest usable
+common prefix, whichever conversation made it: full-attention caches can go back to any
+point of their history (a shared system prompt serves every conversation that starts
+with it); a window ring or a recurrent state only to a point where an entry was taken,
+so for those an entry is also kept where the prompt ends.
+
+On disk (``serve --prompt-cache-dir``) an entry is one safetensors file, written in a
+thread of its own after the request that made it (the next request does not wait) and
+renamed into place whole. Its header names what it belongs to (``fingerprint``: the
+target's and drafter's files, dtype and quantization, window, sinks, block size and this
+format's version) and carries a checksum of every array; a file that is truncated,
+corrupted, from another model or another version is ignored with one log line, never
+loaded. Files are read only when a request matches them; the oldest go beyond a size cap.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .caches import CacheState, DFlashCache
+from .errors import DFlashError
+
+FORMAT = 1  # of the files: a change to what they hold gets a new number, and old files are left alone
+log = logging.getLogger("dflash_mlx.serve")
+
+
+def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, block_size: int) -> str:
+    """What a cache belongs to: the pair's files (configs, weight files' names and sizes), the target's dtype and
+    feature layers, and the cache settings. Caches of another model, or other settings, never match."""
+    def files(folder: Optional[Path], what: str) -> dict[str, Any]:
+        if folder is None:
+            raise DFlashError(f"a cache on disk needs to know the {what}'s files: load the pair with dflash_mlx.load")
+        weights = sorted(folder.glob("*.safetensors"))
+        return {"config": (folder / "config.json").read_text(), "weights": [(f.name, f.stat().st_size) for f in weights]}
+
+    parts = {"format": FORMAT, "target": files(getattr(target, "source", None), "target"),
+             "drafter": files(getattr(drafter, "source", None), "drafter"), "layers": list(target.layer_ids),
+             "dtype": str(target.dtype), "window": window, "sinks": sinks, "block_size": block_size}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _checksum(a: mx.array) -> int:
+    """A position-weighted sum of an array's bytes (mod 2^32), on the device: it catches corrupted data."""
+    flat = a.reshape(-1)
+    words = mx.view(flat, mx.uint32) if flat.nbytes % 4 == 0 else mx.view(flat, mx.uint8).astype(mx.uint32)
+    weights = mx.arange(words.size, dtype=mx.uint32) * mx.array(2654435761, dtype=mx.uint32) + mx.array(1, dtype=mx.uint32)
+    return int(mx.sum(words * weights).item())
+
+
+def _names(state: CacheState) -> dict[str, mx.array]:
+    arrays = {f"t{i}.{j}": a for i, (_, arrays, _) in enumerate(state.target) for j, a in enumerate(arrays)}
+    arrays |= {f"d{i}.{j}": a for i, (_, arrays, _) in enumerate(state.drafter) for j, a in enumerate(arrays)}
+    return arrays | ({"context": state.context} if state.context is not None else {})
+
+
+def write_state(path: Path, state: CacheState, print_: str, extra: Optional[dict[str, Any]] = None) -> int:
+    """``state`` as one safetensors file at ``path``, atomically; its size in bytes."""
+    arrays = _names(state)
+    mx.eval(list(arrays.values()))
+    header = {
+        "format": FORMAT, "fingerprint": print_, "window": state.window, "sinks": state.sinks,
+        "block_size": state.block_size, "layout": {"target": [[k, m, len(a)] for k, a, m in state.target],
+                                                   "drafter": [[k, m, len(a)] for k, a, m in state.drafter]},
+        "checksums": {name: _checksum(a) for name, a in arrays.items()}, "extra": extra or {},
+    }
+    tokens = base64.b64encode(np.asarray(state.tokens, dtype="<i4").tobytes()).decode()
+    tmp = path.with_name(f".{path.name}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(tmp), arrays, metadata={"dflash": json.dumps(header), "tokens": tokens})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def read_header(path: Path, print_: str) -> tuple[list[int], dict[str, Any]]:
+    """The history and header of a cache file, reading only its header; ValueError says why it is not ours."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 2**30:
+            raise ValueError("not a safetensors file")
+        raw = f.read(size)
+    if len(raw) < size:
+        raise ValueError("truncated")
+    try:
+        metadata = json.loads(raw)["__metadata__"]
+        header = json.loads(metadata["dflash"])
+        tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<i4").tolist()
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"not a dflash-mlx cache file ({type(e).__name__})") from None
+    if header.get("format") != FORMAT:
+        raise ValueError(f"written by another version (format {header.get('format')}, this one reads {FORMAT})")
+    if header.get("fingerprint") != print_:
+        raise ValueError("made for another model or other settings")
+    return tokens, header
+
+
+def read_state(path: Path, print_: str) -> tuple[CacheState, dict[str, Any]]:
+    """A cache file whole, checked: its state, and what was stored with it; ValueError says why it cannot be used."""
+    tokens, header = read_header(path, print_)
+    try:
+        arrays = mx.load(str(path))
+    except Exception as e:  # noqa: BLE001 (mlx raises several kinds on a damaged file)
+        raise ValueError(f"unreadable ({' '.join(str(e).split())[:120]})") from None
+    sums = header["checksums"]
+    if set(arrays) != set(sums) or any(_checksum(arrays[name]) != value for name, value in sums.items()):
+        raise ValueError("corrupted (its arrays do not match their checksums)")
+
+    def layers(part: str, prefix: str) -> list:
+        return [(kind, [arrays[f"{prefix}{i}.{j}"] for j in range(n)], {k: int(v) for k, v in meta.items()})
+                for i, (kind, meta, n) in enumerate(header["layout"][part])]
+
+    state = CacheState(tokens, layers("target", "t"), layers("drafter", "d"), arrays.get("context"), header["window"],
+                       header["sinks"], header["block_size"])
+    return state, header["extra"]
+
+
+def usable(tokens: list[int], rewindable: bool, ids: list[int]) -> int:
+    """How many of ``ids`` a cache holding ``tokens`` serves (at least the last id must still run)."""
+    common = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
+    if rewindable:
+        return min(common, len(ids) - 1)
+    return len(tokens) if common == len(tokens) and len(tokens) < len(ids) else 0  # only where it was taken
+
+
+@dataclass(eq=False)
+class Entry:
+    tokens: list[int]
+    state: Optional[CacheState]  # None: on disk only, read when a request matches it
+    rewindable: bool
+    used: int = 0  # when last taken or kept (a counter), for the LRU
+    path: Optional[Path] = None  # its file, once written
+    disk_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes if self.state is not None else 0
+
+
+@dataclass
+class PromptCache:
+    """The entries a server resumes requests from, around the one ``DFlashCache`` it generates with."""
+
+    cache: DFlashCache
+    max_entries: int = 10
+    max_bytes: Optional[int] = None  # memory cap over the entries' arrays
+    directory: Optional[Path] = None  # the disk tier (with its fingerprint's folder below it)
+    max_disk_bytes: Optional[int] = None
+    fingerprint: Optional[str] = None
+    entries: list[Entry] = field(default_factory=list)
+    _clock: int = 0
+    _writes: Optional[queue.Queue] = field(default=None, repr=False)
+    _writer: Optional[threading.Thread] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 1:
+            raise DFlashError(f"the prompt cache holds at least 1 entry, got {self.max_entries}")
+        if self.directory is None:
+            return
+        if self.fingerprint is None:
+            raise DFlashError("a prompt cache on disk needs the pair's fingerprint")
+        self.directory = Path(self.directory).expanduser() / f"v{FORMAT}-{self.fingerprint[:16]}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DFlashError(f"cannot use {self.directory} for the prompt cache: {e.strerror or e}") from None
+        files = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            if path.name.startswith("."):  # a write that never finished
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                tokens, header = read_header(path, self.fingerprint)
+            except (OSError, ValueError) as e:
+                log.warning("prompt cache: ignoring %s: %s", path, e)
+                continue
+            rewindable = all(kind == "full" for kind, _, _ in header["layout"]["target"] + header["layout"]["drafter"])
+            self.entries.append(Entry(tokens, None, rewindable, self._tick(), path, path.stat().st_size))
+        self._writes = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="dflash-mlx prompt cache", daemon=True)
+        self._writer.start()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def prepare(self, ids: list[int]) -> None:
+        """Restore the entry that serves the most of ``ids`` into the cache, if it serves more than the cache does."""
+        self.entries = [e for e in self.entries if e.state is not None or e.path is not None]  # files trimmed away
+        held = usable(self.cache.tokens, self.cache.rewindable, ids)
+        for entry in sorted(self.entries, key=lambda e: (usable(e.tokens, e.rewindable, ids), e.used), reverse=True):
+            if usable(entry.tokens, entry.rewindable, ids) <= held:
+                return
+            state = entry.state if entry.state is not None else self._read(entry)
+            if state is None:
+                continue  # unreadable: dropped, try the next best
+            self.cache.restore(state)
+            entry.used = self._tick()
+            if entry.path is not None:
+                _touch(entry.path)
+            return
+
+    def prompt_done(self) -> None:
+        """The prompt is prefilled: an entry here, where a window or a recurrent state could not go back to."""
+        if not self.cache.rewindable:
+            self.keep()
+
+    def keep(self) -> None:
+        """Take what the cache holds now as an entry (the newest); write it to disk in the background."""
+        if not self.cache.tokens:
+            return
+        state = self.cache.snapshot()
+        tokens = state.tokens
+        superseded = [e for e in self.entries if e.tokens == tokens
+                      or (state.rewindable and e.rewindable and tokens[: len(e.tokens)] == e.tokens)]
+        for e in superseded:  # the new entry can go back to each of them
+            self._drop(e)
+        entry = Entry(tokens, state, state.rewindable, self._tick())
+        self.entries.append(entry)
+        self._evict()
+        if self._writes is not None:
+            mx.eval(state.arrays)
+            self._writes.put((entry, state))
+
+    def _evict(self) -> None:
+        """Within both caps: the least recently used entries leave memory (a written one stays on disk)."""
+        def over() -> bool:
+            in_memory = [e for e in self.entries if e.state is not None]
+            return len(in_memory) > self.max_entries or (
+                self.max_bytes is not None and sum(e.nbytes for e in in_memory) > self.max_bytes and len(in_memory) > 1)
+
+        while over():
+            oldest = min((e for e in self.entries if e.state is not None), key=lambda e: e.used)
+            if oldest.path is not None:
+                oldest.state = None
+            else:
+                self.entries.remove(oldest)
+
+    def _drop(self, entry: Entry) -> None:
+        self.entries.remove(entry)
+        if entry.path is not None:
+            entry.path.unlink(missing_ok=True)
+
+    def _read(self, entry: Entry) -> Optional[CacheState]:
+        try:
+            state, _ = read_state(entry.path, self.fingerprint)
+        except (OSError, ValueError) as e:
+            log.warning("prompt cache: ignoring %s: %s", entry.path, e)
+            self._drop(entry)
+            return None
+        entry.state = state
+        self._evict()
+        return state
+
+    def _write_loop(self) -> None:
+        """The writer thread: files only (the entries list is the main thread's; it reads ``path`` as set here)."""
+        while (item := self._writes.get()) is not None:
+            entry, state = item
+            try:
+                name = hashlib.sha256(np.asarray(entry.tokens, dtype="<i4").tobytes()).hexdigest()[:32]
+                path = self.directory / f"{name}.safetensors"
+                entry.disk_bytes = write_state(path, state, self.fingerprint)
+                entry.path = path
+                self._trim_disk(entry)
+            except Exception as e:  # noqa: BLE001 (a full disk, a removed folder: the server goes on without it)
+                log.warning("prompt cache: could not write an entry to %s: %s", self.directory, e)
+            finally:
+                self._writes.task_done()
+
+    def _trim_disk(self, newest: Entry) -> None:
+        """The oldest files go until the folder is within its cap (the newest stays, whatever its size)."""
+        if self.max_disk_bytes is None:
+            return
+        files = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        total = sum(f.stat().st_size for f in files)
+        for f in files:
+            if total <= self.max_disk_bytes:
+                break
+            if f == newest.path:
+                continue
+            total -= f.stat().st_size
+            f.unlink(missing_ok=True)
+            for e in list(self.entries):
+                if e.path == f:
+                    e.path, e.disk_bytes = None, 0
+
+    def flush(self) -> None:
+        """Wait until every entry kept so far is on disk."""
+        if self._writes is not None:
+            self._writes.join()
+
+    def close(self) -> None:
+        if self._writes is not None:
+            self._writes.put(None)
+            self._writer.join(timeout=60)
+            self._writes = None
+
+    def stats(self) -> dict[str, Any]:
+        in_memory = [e for e in self.entries if e.state is not None]
+        on_disk = list(self.directory.glob("*.safetensors")) if self.directory is not None else []
+        return {"entries": len(in_memory), "bytes": sum(e.nbytes for e in in_memory),
+                "disk_entries": len(on_disk), "disk_bytes": sum(f.stat().st_size for f in on_disk if f.exists())}
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def cache_file(conversation: Path) -> Path:
+    """Where a saved conversation's caches go: beside it."""
+    return conversation.with_name(conversation.name + ".cache.safetensors")
+

@@ -1,0 +1,259 @@
+"""The prompt cache: many conversations in memory and on disk, lossless, and never the wrong model's caches."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from dflash_mlx import fixtures, generate, load, make_cache
+from dflash_mlx.chat_template import render
+from dflash_mlx.prompt_cache import FORMAT, PromptCache, fingerprint
+
+SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
+LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
+BLOCK = 8  # full blocks: every cycle drafts the same, so runs compare cycle by cycle
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """A full-attention, a windowed and a hybrid (GatedDeltaNet) pair, each with its window setting."""
+    root = tmp_path_factory.mktemp("layouts")
+    pairs = {}
+    for name, (model_type, window) in LAYOUTS.items():
+        folder = root / model_type
+        if not folder.exists():
+            config = fixtures.target_config(model_type)
+            fixtures.write_target(folder / "target", config)
+            fixtures.write_drafter(folder / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+        pairs[name] = (*load(str(folder / "draft"), str(folder / "target")), window, folder)
+    return pairs
+
+
+def _store(pair, directory=None, **caps) -> PromptCache:
+    target, drafter, _, window, _ = pair
+    print_ = fingerprint(target, drafter, window, 0, BLOCK) if directory is not None else None
+    return PromptCache(make_cache(target, drafter, window, 0, BLOCK), directory=directory, fingerprint=print_, **caps)
+
+
+def _ask(pair, store: PromptCache, messages, responses=None):
+    """One request as the server runs it: resume from the best entry, keep entries where the prompt ends and after."""
+    target, drafter, tokenizer, window, _ = pair
+    ids = render(tokenizer, messages)
+    store.prepare(ids)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=12, window=window, cache=store.cache, block_size=BLOCK,
+                   on_response=responses.append if responses is not None else None,
+                   prompt_progress_callback=lambda done, total: done == total and store.prompt_done())
+    store.keep()
+    return ids, out
+
+
+def _conversation(name: str, turns: int, replies: dict) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM[name]}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn} for {name}"})
+        if turn < turns - 1:
+            messages.append({"role": "assistant", "content": replies[name, turn]})
+    return messages
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_alternating_conversations_resume_and_stay_lossless(layouts, layout):
+    """A1, B1, A2, B2: turn 2 of each resumes from its own turn 1 (the full prompt, where only the prompt's end
+    can be returned to), and every reply equals generation without a cache."""
+    pair = layouts[layout]
+    target, drafter, tokenizer, window, _ = pair
+    store, replies = _store(pair), {}
+    for turn in range(2):
+        for name in "AB":
+            messages = _conversation(name, turn + 1, replies)
+            ids, out = _ask(pair, store, messages)
+            assert out.tokens == generate(target, drafter, tokenizer, ids, max_tokens=12, window=window,
+                                          block_size=BLOCK).tokens
+            replies[name, turn] = out.text
+            if turn == 1:
+                first = render(tokenizer, _conversation(name, 1, replies))
+                assert out.prompt_cached >= len(first), (layout, name, out.prompt_cached, len(first))
+            store.cache.check()
+
+
+def test_a_shared_system_prompt_serves_a_new_conversation(layouts):
+    """Full attention goes back to any point: B's first turn starts from A's caches where they agree."""
+    pair = layouts["full"]
+    tokenizer = pair[2]
+    store = _store(pair)
+    shared = "A long instruction every conversation starts with. " * 30
+    _ask(pair, store, [{"role": "system", "content": shared}, {"role": "user", "content": "first"}])
+    ids, out = _ask(pair, store, [{"role": "system", "content": shared}, {"role": "user", "content": "second"}])
+    assert out.prompt_cached >= len(tokenizer.encode(shared)) - 1
+
+
+def test_both_caps_evict_the_least_recently_used(layouts):
+    pair = layouts["full"]
+    replies = {}
+    store = _store(pair, max_entries=2)
+    for name in ("A", "B"):
+        _ask(pair, store, _conversation(name, 1, {}))
+    _ask(pair, store, [{"role": "user", "content": "a third conversation"}])
+    assert len(store.entries) == 2 and [e.tokens[:3] for e in store.entries] != []
+    ids, out = _ask(pair, store, _conversation("A", 1, replies))  # A was evicted: only the template's start is shared
+    assert out.prompt_cached < len(ids) // 2
+    one = store.entries[-1].nbytes
+    tight = _store(pair, max_bytes=int(1.5 * one))
+    for name in ("A", "B"):
+        _ask(pair, tight, _conversation(name, 1, {}))
+    assert len(tight.entries) == 1 and tight.stats()["bytes"] <= 2 * one
+
+
+def test_a_restart_resumes_from_disk_with_the_same_drafts(layouts, tmp_path):
+    """Turn 2 after a restart: read from disk, nothing of turn 1 prefilled again, and every cycle drafts and
+    accepts what it would have without the restart (the drafter's context and pending features are saved too)."""
+    for layout in ("full", "hybrid"):
+        pair = layouts[layout]
+        directory = tmp_path / layout
+        replies = {}
+        store = _store(pair, directory)
+        _, out = _ask(pair, store, _conversation("A", 1, replies))
+        replies["A", 0] = out.text
+        store.flush()
+        shutil.copytree(directory, tmp_path / f"{layout}-after-turn-1")  # the disk as a restart after turn 1 finds it
+        before: list = []
+        _ask(pair, store, _conversation("A", 2, replies), before)
+        store.close()
+
+        restarted = _store(pair, tmp_path / f"{layout}-after-turn-1")
+        assert restarted.entries and all(e.state is None for e in restarted.entries)  # read only when matched
+        after: list = []
+        _ask(pair, restarted, _conversation("A", 2, replies), after)
+        assert after[-1].prompt_cached == before[-1].prompt_cached > 0, layout
+        assert [(r.drafted, r.accepted, r.tokens) for r in after] == [(r.drafted, r.accepted, r.tokens) for r in before]
+        restarted.close()
+
+
+def _damaged(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "flipped":
+        data[-10] ^= 0xFF  # inside the last array's bytes
+        path.write_bytes(bytes(data))
+    elif how == "garbage":
+        path.write_bytes(b"not a cache at all")
+    elif how in ("version", "foreign"):
+        size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + size])
+        inner = json.loads(header["__metadata__"]["dflash"])
+        inner["format" if how == "version" else "fingerprint"] = FORMAT + 1 if how == "version" else "0" * 64
+        header["__metadata__"]["dflash"] = json.dumps(inner)
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data[8 + size :]))
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "garbage", "version", "foreign"])
+def test_a_damaged_or_foreign_file_is_ignored_in_one_line(layouts, tmp_path, caplog, how):
+    pair = layouts["full"]
+    target, drafter, tokenizer, window, _ = pair
+    store = _store(pair, tmp_path)
+    ids, first = _ask(pair, store, _conversation("A", 1, {}))
+    store.close()
+    [path] = list(store.directory.glob("*.safetensors"))
+    _damaged(path, how)
+    caplog.set_level(logging.WARNING, logger="dflash_mlx.serve")
+    restarted = _store(pair, tmp_path)
+    ids, out = _ask(pair, restarted, _conversation("A", 1, {}) + [{"role": "assistant", "content": first.text},
+                                                                   {"role": "user", "content": "and then?"}])
+    assert out.prompt_cached == 0  # nothing of the damaged file was used
+    assert out.tokens == generate(target, drafter, tokenizer, ids, max_tokens=12, block_size=BLOCK).tokens
+    warnings = [r.getMessage() for r in caplog.records if "prompt cache: ignoring" in r.getMessage()]
+    assert len(warnings) == 1 and str(path) in warnings[0] and "\n" not in warnings[0]
+    restarted.close()
+
+
+def test_the_disk_cap_keeps_the_newest(layouts, tmp_path):
+    pair = layouts["full"]
+    store = _store(pair, tmp_path)
+    _ask(pair, store, _conversation("A", 1, {}))
+    store.flush()
+    size = store.stats()["disk_bytes"]
+    store.close()
+    capped = _store(pair, tmp_path, max_disk_bytes=int(1.5 * size))
+    _ask(pair, capped, _conversation("B", 1, {}))
+    capped.flush()
+    files = list(capped.directory.glob("*.safetensors"))
+    assert len(files) == 1 and capped.stats()["disk_bytes"] <= 1.5 * size
+    capped.close()
+    assert len(_store(pair, tmp_path).entries) == 1
+
+
+# -- through the server -------------------------------------------------------------------------------
+
+
+def _start(folder: Path, *extra) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(folder / "draft"), "--target",
+           str(folder / "target"), "--port", str(port), "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stderr.read()}")
+        time.sleep(0.1)
+    pytest.fail("server did not start")
+
+
+def _chat(url: str, messages) -> dict:
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 12}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_server_alternates_conversations_and_survives_a_restart(layouts, tmp_path):
+    pair = layouts["full"]
+    target, drafter, tokenizer, _, folder = pair
+    proc, url = _start(folder, "--prompt-cache-dir", str(tmp_path))
+    replies, cached = {}, {}
+    try:
+        for turn in range(2):
+            for name in "AB":
+                messages = _conversation(name, turn + 1, replies)
+                out = _chat(url, messages)
+                replies[name, turn] = out["choices"][0]["message"]["content"]
+                cached[name, turn] = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+                ids = render(tokenizer, messages)
+                assert replies[name, turn] == generate(target, drafter, tokenizer, ids, max_tokens=12).text
+        health = httpx.get(f"{url}/health").json()
+    finally:
+        proc.send_signal(2)
+        proc.communicate(timeout=60)
+    for name in "AB":
+        assert cached[name, 1] >= len(render(tokenizer, _conversation(name, 1, replies)))
+    memory = health["prompt_cache"]
+    assert memory["entries"] >= 2 and memory["bytes"] > 0 and memory["disk_entries"] >= 1 and memory["disk_bytes"] > 0
+
+    proc, url = _start(folder, "--prompt-cache-dir", str(tmp_path))
+    try:
+        messages = _conversation("B", 3, replies)
+        out = _chat(url, messages)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(render(tokenizer, _conversation(
+            "B", 2, replies)))  # from disk, after the restart
+        assert out["choices"][0]["message"]["content"] == generate(target, drafter, tokenizer, render(
+            tokenizer, messages), max_tokens=12).text
+    finally:
+        proc.send_signal(2)
+        proc.communicate(timeout=60)
