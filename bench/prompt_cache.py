@@ -19,6 +19,7 @@ from common import build_models, print_machine  # re-execs with OpenBLAS first
 import argparse  # noqa: E402
 import base64  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -49,7 +50,7 @@ def start(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(2)
+    proc.send_signal(signal.SIGTERM)  # SIGINT is ignored when this script runs in the background
     proc.wait(timeout=120)
 
 

@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -426,11 +427,13 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
 def serve(engine: Engine, host: str, port: int, api_key: Optional[str] = None,
           on_ready: Callable[[], None] = lambda: None, allowed_origins: tuple[str, ...] = (),
           log_level: str = "info") -> None:
-    """Listen on ``host:port`` in a thread and answer requests on this one, until Ctrl-C.
+    """Listen on ``host:port`` in a thread and answer requests on this one, until Ctrl-C or SIGTERM.
 
     ``on_ready`` runs once the port is bound. A port in use (or an address that is
-    not this machine's) is a one-line DFlashError; Ctrl-C stops cleanly. Each request
-    logs one line on stderr at ``log_level`` info (and below).
+    not this machine's) is a one-line DFlashError; Ctrl-C stops cleanly, and so does
+    SIGTERM (what launchd, systemd and `kill` send; a job a shell starts in the
+    background ignores Ctrl-C's SIGINT), the prompt cache's pending writes finished.
+    Each request logs one line on stderr at ``log_level`` info (and below).
     """
     import uvicorn
 
@@ -445,6 +448,9 @@ def serve(engine: Engine, host: str, port: int, api_key: Optional[str] = None,
     if not server.started:  # uvicorn logs why (the port is taken, no such address) and gives up
         raise DFlashError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")
     on_ready()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         engine.run(serving=http.is_alive)
     except KeyboardInterrupt:  # the way to stop a server: not an error
@@ -452,3 +458,9 @@ def serve(engine: Engine, host: str, port: int, api_key: Optional[str] = None,
     finally:
         server.should_exit = True
         http.join(timeout=10)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -239,8 +240,9 @@ def test_the_server_alternates_conversations_and_survives_a_restart(layouts, tmp
                 assert replies[name, turn] == generate(target, drafter, tokenizer, ids, max_tokens=12).text
         health = httpx.get(f"{url}/health").json()
     finally:
-        proc.send_signal(2)
-        proc.communicate(timeout=60)
+        proc.send_signal(signal.SIGTERM)  # what launchd and systemd send: a clean stop, pending writes finished
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopped" in err and "Traceback" not in err, err
     for name in "AB":
         assert cached[name, 1] >= len(render(tokenizer, _conversation(name, 1, replies)))
     memory = health["prompt_cache"]
