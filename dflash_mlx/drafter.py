@@ -326,6 +326,11 @@ class Drafter(nn.Module):
                 c.trim(block.shape[1])
         return self.norm(h)
 
+    def embed_blocks(self, target: "Target", blocks: mx.array) -> mx.array:
+        """The target's embeddings of block tokens [S, L], scaled as this drafter's inputs are."""
+        embeddings = target.embed(blocks)
+        return embeddings * self.input_embedding_scale if self.input_embedding_scale != 1.0 else embeddings
+
     def draft_hidden(
         self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int
     ) -> mx.array:
@@ -333,10 +338,7 @@ class Drafter(nn.Module):
         if context is None:  # everything committed is in the caches already
             context = mx.zeros((1, 0, len(self.target_layer_ids) * self.args.hidden_size), dtype=target.dtype)
         block = mx.concatenate([last, mx.full((n,), self.mask_token_id, dtype=last.dtype)])
-        embeddings = target.embed(block[None])
-        if self.input_embedding_scale != 1.0:
-            embeddings = embeddings * self.input_embedding_scale
-        return self(embeddings, context, cache)[0, 1:]
+        return self(self.embed_blocks(target, block[None]), context, cache)[0, 1:]
 
     def draft_logits(
         self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int

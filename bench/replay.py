@@ -1,0 +1,119 @@
+"""Judge the adaptive policy on recorded traces, deterministically, under each cost profile.
+
+For every trace file (bench/trace.py) and every cost profile (this machine's, measured
+with the traces; and the Apple Silicon profiles of ``dflash_mlx.replay.MAC_PROFILES``,
+each derived from published figures): the default policy against mlx-lm's plain
+decoding, the best fixed depth in hindsight and the oracle (the best depth schedule in
+hindsight). Also the mean acceptance of drafting a block of k + 1 (what the decode loop
+does) against drafting the whole block and verifying its first k, and what each is worth
+to the best fixed depth and the oracle. No timing runs here: the same files give the same
+table.
+
+    python bench/replay.py bench/.cache/traces/*.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from dflash_mlx import replay, traces
+from dflash_mlx.policy import Acceptance, AdaptiveDepth, Repeats
+
+
+def _with(**changes) -> Callable[[int], AdaptiveDepth]:
+    """The default policy with some of its parts changed (``acceptance``: Acceptance's fields; ``repeats``)."""
+    acceptance = changes.pop("acceptance", {})
+    repeats = changes.pop("repeats", None)
+
+    def make(depth: int) -> AdaptiveDepth:
+        policy = AdaptiveDepth(depth, **changes)
+        if acceptance:
+            policy.by_repeat = [Acceptance(depth, **acceptance) for _ in policy.by_repeat]
+        if repeats is not None:
+            policy.repeats = repeats
+        return policy
+
+    return make
+
+
+# Each tunable of the default policy, removed (or, for a bare number, halved and doubled): what it is worth.
+ABLATIONS: dict[str, Callable[[int], AdaptiveDepth]] = {
+    "no repeat buckets (Repeats)": _with(repeats=Repeats(n=10**9)),
+    "two buckets, no long one (long)": _with(repeats=Repeats(long=10**9)),
+    "no acceptance decay (decay 1)": _with(acceptance={"decay": 1.0}),
+    "acceptance decay 0.8": _with(acceptance={"decay": 0.8}),
+    "acceptance decay 0.95": _with(acceptance={"decay": 0.95}),
+    "no lean on the position before (prior)": _with(acceptance={"prior": 1e-6}),
+    "no stale fading (stale 1)": _with(stale=1.0),
+    "probe spacing by budget only (memory 0)": _with(memory=0.0),
+    "no probe brought forward by a new prompt": _with(min_paid=float("inf")),
+    "every new prompt brings a probe (min_paid 0)": _with(min_paid=0.0),
+    "probe_budget halved": _with(probe_budget=0.0025),
+    "probe_budget doubled": _with(probe_budget=0.01),
+    "no min_probe (1)": _with(min_probe=1),
+    "no max_probe": _with(max_probe=10**9),
+}
+
+
+def profiles_for(path: Path, max_depth: int) -> list[replay.CostProfile]:
+    measured = path.parent / (path.name.removesuffix(".jsonl") + ".profile.json")
+    out = []
+    if measured.is_file():
+        spec = json.loads(measured.read_text())
+        out.append(replay.CostProfile(spec["name"], spec["source"], spec["contexts"], spec["plain"], spec["cycle"]))
+    return out + [replay.mac_profile(name, max_depth) for name in replay.MAC_PROFILES]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--ablate", action="store_true", help="also each tunable removed: its effect on tokens/s")
+    ap.add_argument("--mixed", nargs=2, type=Path, metavar=("GREEDY", "SAMPLED"),
+                    help="greedy and sampled requests alternating: one policy state for both vs one each")
+    args = ap.parse_args()
+    tic = time.perf_counter()
+    for path in args.traces:
+        meta, recorded = traces.read(str(path))
+        B = recorded[0].max_depth
+        positions = sum(len(t.output) - 1 for t in recorded)
+        print(f"\n{path.name}: {len(recorded)} prompts, {positions} positions, T={meta['temperature']:g}")
+        short, full = replay.mean_acceptance(recorded), replay.mean_acceptance(recorded, full=True)
+        print("  E[accepted] at k = 1, 2, 4, 8, 15, block of k + 1:   "
+              + "  ".join(f"{short[k]:.2f}" for k in (1, 2, 4, 8, B)))
+        print("                              whole block, first k: "
+              + "  ".join(f"{full[k]:.2f}" for k in (1, 2, 4, 8, B)))
+        print(f"  {'profile':<34} {'policy':>7} {'fixed (k)':>11} {'oracle':>7} {'of fixed':>9} {'of oracle':>9}"
+              f"  {'oracle, whole block':>19}")
+        for profile in profiles_for(path, B):
+            got = replay.judge(lambda depth: AdaptiveDepth(depth), recorded, profile)
+            whole = replay.oracle_replay(recorded, profile, full=True)
+            print(f"  {profile.name:<34} {got['policy_vs_plain']:>6.2f}x {got['best_fixed_vs_plain']:>6.2f}x "
+                  f"({got['best_fixed_depth']:>2}) {got['oracle_vs_plain']:>6.2f}x {got['policy_of_best_fixed']:>9.3f} "
+                  f"{got['policy_of_oracle']:>9.3f}  {whole.vs_plain:>18.2f}x")
+        if args.ablate:
+            profiles = profiles_for(path, B)
+            base = [replay.simulate(AdaptiveDepth(B), recorded, p).tokens_per_second for p in profiles]
+            print("  tokens/s with a tunable removed, relative to the default, per profile:")
+            for label, make in ABLATIONS.items():
+                ratios = [replay.simulate(make(B), recorded, p).tokens_per_second / b for p, b in zip(profiles, base)]
+                print(f"    {label:<46} " + "  ".join(f"{r:.3f}" for r in ratios))
+    if args.mixed:
+        (_, greedy), (_, sampled) = (traces.read(str(p)) for p in args.mixed)
+        B = greedy[0].max_depth
+        mixed = [t for pair in zip(greedy, sampled) for t in pair]
+        print(f"\n{args.mixed[0].name} and {args.mixed[1].name} alternating ({len(mixed)} requests):")
+        for profile in profiles_for(args.mixed[0], B):
+            shared = replay.simulate(AdaptiveDepth(B), mixed, profile)
+            apart = replay.simulate(AdaptiveDepth(B), greedy[: len(mixed) // 2], profile)
+            apart.add(replay.simulate(AdaptiveDepth(B), sampled[: len(mixed) // 2], profile))
+            print(f"  {profile.name:<34} one state {shared.vs_plain:.3f}x, one per kind {apart.vs_plain:.3f}x plain: "
+                  f"apart / shared {apart.tokens_per_second / shared.tokens_per_second:.3f}")
+    print(f"\n(ratios to mlx-lm's plain decoding under each profile; replayed in {time.perf_counter() - tic:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Judge a draft policy without noise: replay recorded traces under a cost profile.
+
+On a machine whose speed drifts 10-30% between runs, two policies cannot be told apart
+by timing them. A trace (``traces.py``) records, at every position of the target's own
+output, how many tokens a draft of each depth would have had accepted; a cost profile
+gives the seconds of a cycle drafting k tokens at a context length. ``simulate`` then
+runs any ``DraftPolicy`` over the traces exactly as the decode loop would (same caps,
+same calls, the profile's seconds as its timings), and ``oracle`` finds the best depth
+schedule in hindsight by dynamic programming over positions: the ceiling that no
+policy deciding from the past can pass. Same trace, same policy, same profile: same
+result, in seconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .policy import DraftPolicy, FixedBlock
+
+
+@dataclass
+class Trace:
+    """One prompt: the target's own output and, per position, what each draft depth proposes and keeps.
+
+    A cycle at position p starts after ``output[p]``. ``drafts[p, k, :k]`` are the k tokens
+    the drafter proposes there in a block of k + 1 (the rest is -1), and ``accepted[p, k]``
+    how many of them the target accepts (column 0: a plain step, 0). With ``full`` the
+    drafter always drafts the whole block and the first k are verified: the whole block's
+    agreeing prefix, capped at k.
+    """
+
+    name: str
+    prompt: list[int]
+    output: list[int]
+    drafts: np.ndarray  # [len(output) - 1, B, B - 1] int, -1 padded
+    accepted: np.ndarray  # [len(output) - 1, B] int
+
+    @property
+    def max_depth(self) -> int:
+        return self.accepted.shape[1] - 1
+
+    @property
+    def full_block(self) -> np.ndarray:
+        """[len(output) - 1]: how many of a whole block's drafts agree."""
+        return self.accepted[:, -1]
+
+    def accepted_at(self, p: int, k: int, full: bool = False) -> int:
+        return min(k, int(self.accepted[p, -1])) if full else int(self.accepted[p, k])
+
+
+@dataclass
+class CostProfile:
+    """Seconds of a cycle drafting k tokens (k = 0: the decode loop's plain step) and of mlx-lm's plain step,
+    at measured context lengths; between them linear, beyond them the nearest.
+
+    ``cycle[i][k]`` is at ``contexts[i]`` tokens. ``source`` says where the numbers come from.
+    """
+
+    name: str
+    source: str
+    contexts: list[int]
+    plain: list[float]  # mlx-lm's step: the baseline every ratio is against
+    cycle: list[list[float]]
+    _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+
+    def _at(self, values: Sequence[float], context: int) -> float:
+        i = bisect.bisect_left(self.contexts, context)
+        if i == 0:
+            return values[0]
+        if i == len(self.contexts):
+            return values[-1]
+        c0, c1 = self.contexts[i - 1], self.contexts[i]
+        w = (context - c0) / (c1 - c0)
+        return values[i - 1] * (1 - w) + values[i] * w
+
+    def seconds(self, k: int, context: int) -> float:
+        key = (k, context)
+        if key not in self._memo:
+            self._memo[key] = self._at([row[k] for row in self.cycle], context)
+        return self._memo[key]
+
+    def plain_seconds(self, context: int) -> float:
+        return self._at(self.plain, context)
+
+    @classmethod
+    def relative(cls, name: str, source: str, max_depth: int, plain_step: float, upkeep: float, drafter: float,
+                 per_token: float) -> "CostProfile":
+        """A profile from ratios to a plain step (one context length): t(0) = plain (1 + upkeep),
+        t(k) = plain (1 + drafter + per_token k)."""
+        cycle = [plain_step * (1 + upkeep)] + [plain_step * (1 + drafter + per_token * k) for k in range(1, max_depth + 1)]
+        return cls(name, source, [0], [plain_step], [cycle])
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "source": self.source, "contexts": self.contexts, "plain": self.plain,
+                "cycle": self.cycle}
+
+
+# Apple Silicon profiles from published end-to-end figures (../shared/reference/mac-figures.md), as ratios to
+# a plain step: tok/s = tau / t(k) and t(k) = plain (1 + drafter + per_token k). Two figures of one model at two
+# depths give the two ratios; where the source gives tau as a range for several runs, the derivation says which.
+MAC_PROFILES = {
+    # z-lab/dflash issue 151, M5 Max 128 GB, Qwen3.5-27B-4bit: 52.0 tok/s at block 5 (k=4) and 36.8 at block 16
+    # (k=15); plain 33.6 tok/s (bstnxbt/dflash-mlx README, same Mac and model). Taken: tau 2.95 at block 5 and
+    # 4.30 at block 16 (the ends of the issue's range). t(4) = 2.95 * 33.6 / 52.0 = 1.91 plain steps, t(15) =
+    # 4.30 * 33.6 / 36.8 = 3.93: per_token = 0.184, drafter = 0.17. A dense model whose verify of 16 is
+    # compute-bound: depth costs.
+    "m5max-27b-4bit": dict(plain_step=1 / 33.6, upkeep=0.0, drafter=0.17, per_token=0.184,
+                           source="z-lab/dflash#151 (block 5 vs 16) with bstnxbt/dflash-mlx README (plain), M5 Max"),
+    # bstnxbt/dflash-mlx README, M5 Max 64 GB, Qwen3.5-4B bf16, 1,024 generated: 53.8 -> 182.9 tok/s (3.40x) at 86%
+    # acceptance per drafted token, block 16: E[tokens] = 1 + sum_j 0.86^j (j = 1..15) = 6.5, so t(15) = 6.5 / 3.40 =
+    # 1.91 plain steps. The split between drafter and per-token is not in the figures: taken as the 27B's drafter
+    # share (0.17), leaving per_token = (1.91 - 1 - 0.17) / 15 = 0.049. A small memory-bound model: depth is cheap.
+    "m5max-4b-bf16": dict(plain_step=1 / 53.8, upkeep=0.0, drafter=0.17, per_token=0.049,
+                          source="bstnxbt/dflash-mlx README (Qwen3.5-4B, 3.40x at 86%), M5 Max"),
+}
+
+
+def mac_profile(name: str, max_depth: int) -> CostProfile:
+    spec = dict(MAC_PROFILES[name])
+    return CostProfile.relative(name, spec.pop("source"), max_depth, **spec)
+
+
+@dataclass
+class Replay:
+    """What a replay produced: tokens (after each prompt's first), seconds, and the plain baseline's seconds."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
+    depths: list[int] = field(default_factory=list)  # cycles per drafted depth
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def vs_plain(self) -> float:
+        """Speed relative to mlx-lm's plain decoding of the same tokens."""
+        return self.plain_seconds / self.seconds if self.seconds else 0.0
+
+    def add(self, other: "Replay") -> None:
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.plain_seconds += other.plain_seconds
+        for k, n in enumerate(other.depths):
+            self.depths += [0] * (k + 1 - len(self.depths))
+            self.depths[k] += n
+
+
+def _plain_seconds(trace: Trace, profile: CostProfile) -> float:
+    return sum(profile.plain_seconds(len(trace.prompt) + p + 1) for p in range(len(trace.output) - 1))
+
+
+def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> Replay:
+    """Run ``policy`` over ``traces`` in order, as one process serving them one after another.
+
+    As the decode loop: ``start`` per prompt, ``draft_length`` given the committed tokens
+    (the prompt and the output before the last emitted token), capped by the block and the
+    budget, then ``observe`` with the profile's seconds at the current context length.
+    """
+    total = Replay()
+    for trace in traces:
+        policy.start()
+        n, B = len(trace.output), trace.max_depth
+        got = Replay(tokens=n - 1, plain_seconds=_plain_seconds(trace, profile), depths=[0] * (B + 1))
+        history = list(trace.prompt)
+        p = 0  # output[p] is emitted; the target has not consumed it yet
+        while p < n - 1:
+            k = max(0, min(policy.draft_length(history), B, n - p - 2))
+            a = trace.accepted_at(p, k, full)
+            seconds = profile.seconds(k, len(history) + 1)
+            policy.observe(k, a, seconds)
+            got.seconds += seconds
+            got.depths[k] += 1
+            history.extend(trace.output[p : p + a + 1])
+            p += a + 1
+        total.add(got)
+    return total
+
+
+def oracle(trace: Trace, profile: CostProfile, full: bool = False) -> float:
+    """The least seconds any depth schedule takes over ``trace``: best[p] = min_k t(k) + best[p + a_k(p) + 1]."""
+    n, B = len(trace.output), trace.max_depth
+    best = [0.0] * n
+    for p in range(n - 2, -1, -1):
+        context = len(trace.prompt) + p + 1
+        best[p] = min(profile.seconds(k, context) + best[p + trace.accepted_at(p, k, full) + 1]
+                      for k in range(min(B, n - p - 2) + 1))
+    return best[0] if n > 1 else 0.0
+
+
+def oracle_replay(traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> Replay:
+    total = Replay()
+    for trace in traces:
+        total.add(Replay(tokens=len(trace.output) - 1, seconds=oracle(trace, profile, full),
+                         plain_seconds=_plain_seconds(trace, profile)))
+    return total
+
+
+def best_fixed(traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> tuple[int, Replay]:
+    """The fixed depth (0 = plain steps of the decode loop) that was fastest over all ``traces``, in hindsight."""
+    B = traces[0].max_depth
+    runs = [(k, simulate(FixedBlock(k + 1), traces, profile, full)) for k in range(B + 1)]
+    return max(runs, key=lambda run: run[1].tokens_per_second)
+
+
+def judge(make_policy: Callable[[int], DraftPolicy], traces: Sequence[Trace], profile: CostProfile,
+          full: bool = False) -> dict:
+    """The policy against plain decoding, the best fixed depth in hindsight and the oracle."""
+    B = traces[0].max_depth
+    policy = simulate(make_policy(B), traces, profile, full)
+    k, fixed = best_fixed(traces, profile, full)
+    ceiling = oracle_replay(traces, profile, full)
+    return {"profile": profile.name, "policy_vs_plain": policy.vs_plain, "best_fixed_depth": k,
+            "best_fixed_vs_plain": fixed.vs_plain, "oracle_vs_plain": ceiling.vs_plain,
+            "policy_of_best_fixed": policy.tokens_per_second / fixed.tokens_per_second,
+            "policy_of_oracle": policy.tokens_per_second / ceiling.tokens_per_second,
+            "depths": policy.depths}
+
+
+def mean_acceptance(traces: Sequence[Trace], full: bool = False) -> list[float]:
+    """E[accepted] of a draft of k, k = 0..B, over every position of every trace."""
+    B = traces[0].max_depth
+    rows = [t.accepted if not full else np.minimum(t.full_block[:, None], np.arange(B + 1)[None, :]) for t in traces]
+    stacked = np.concatenate(rows) if rows else np.zeros((0, B + 1))
+    return stacked.mean(0).tolist() if len(stacked) else [math.nan] * (B + 1)
+

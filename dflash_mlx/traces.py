@@ -1,0 +1,133 @@
+"""Record what drafting would do at every position of the target's own output, and what cycles cost here.
+
+The evidence ``replay.py`` judges draft policies on. For a prompt, the target's output
+comes from the decode loop at block 1 (plain steps: mlx-lm's greedy tokens, or, seeded,
+its position-keyed draws). One pass of the target over prompt + output gives every
+position's features; the drafter then drafts at every output position at once, as
+training does (``drafter.Blocks``: each block sees only the context before its anchor,
+exactly what the decode loop's cache holds there), once per block length 2..B, and
+each draft's agreeing prefix with the output is what the target would accept.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .drafter import Blocks, Drafter
+from .errors import DFlashError
+from .files import write_atomic
+from .generate import generate
+from .replay import CostProfile, Trace
+from .sampling import Sampling, position_keys, sample_rows
+from .target import Target
+
+ANCHORS_PER_PASS = 64  # blocks per drafter pass: bounds the [rows, context + rows] attention
+
+
+def _drafts(drafter: Drafter, target: Target, features: mx.array, seq: list[int], anchors: np.ndarray, b: int,
+            sampling: Sampling) -> np.ndarray:
+    """[len(anchors), b - 1]: the drafter's tokens for blocks [seq[anchor], MASK x (b - 1)]."""
+    block = np.full((len(anchors), b), drafter.mask_token_id)
+    block[:, 0] = np.asarray(seq)[anchors]
+    embeddings = drafter.embed_blocks(target, mx.array(block.reshape(1, -1)))
+    h = drafter(embeddings, features, Blocks(anchors[None], features.shape[1], b))
+    h = h.reshape(len(anchors), b, -1)[:, 1:]
+    logits = drafter.compute_logits(target.lm_head(h)).astype(mx.float32)
+    if sampling.greedy:
+        return np.array(mx.argmax(logits, -1))
+    # one draw per drafted position, keyed by its position and the block length, apart from the target's keys
+    rows = []
+    for i, anchor in enumerate(anchors.tolist()):
+        keys = position_keys((sampling.seed + b) % 2**64, anchor + 1, b - 1)
+        rows.append(sample_rows(sampling.logprobs(logits[i]), keys))
+    return np.array(mx.stack(rows))
+
+
+def record(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: list[int], max_tokens: int,
+           sampling: Sampling = Sampling()) -> Trace:
+    """The trace of one prompt: ``max_tokens`` of the target's own output and every depth's acceptance."""
+    if type(drafter) is not Drafter:
+        raise DFlashError("traces need a DFlash drafter (drafts of one pass per block)")
+    if not sampling.greedy and sampling.seed is None:
+        raise DFlashError("a sampled trace needs a seed (the target's draws are keyed by position)")
+    output = generate(target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=1, eos_token_ids=[],
+                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                      min_p=sampling.min_p, seed=sampling.seed, verify="match").tokens
+    seq = prompt + output
+    _, features = target(mx.array(seq)[None], target.make_cache(), last_logits_only=True)
+    n, B = len(output), drafter.block_size
+    labels = np.full((n - 1, B - 1), -1)
+    for p in range(n - 1):
+        following = output[p + 1 : p + B]
+        labels[p, : len(following)] = following
+    drafts = np.full((n - 1, B, B - 1), -1, dtype=np.int64)
+    accepted = np.zeros((n - 1, B), dtype=np.int64)
+    anchors = np.arange(len(prompt), len(prompt) + n - 1)
+    for b in range(2, B + 1):
+        for start in range(0, n - 1, ANCHORS_PER_PASS):
+            rows = slice(start, start + ANCHORS_PER_PASS)
+            drafted = _drafts(drafter, target, features, seq, anchors[rows], b, sampling)
+            drafts[rows, b - 1, : b - 1] = drafted
+            accepted[rows, b - 1] = np.cumprod(drafted == labels[rows, : b - 1], axis=1).sum(1)
+    return Trace(name, prompt, output, drafts, accepted)
+
+
+def write(path: str, traces: Iterable[Trace], meta: dict[str, Any]) -> None:
+    """JSONL: a first line of metadata (pair, sampling, machine), then one trace per line."""
+    lines = [json.dumps({"meta": meta})]
+    for t in traces:
+        lines.append(json.dumps({"name": t.name, "prompt": t.prompt, "output": t.output, "drafts": t.drafts.tolist(),
+                                 "accepted": t.accepted.tolist()}))
+    write_atomic(path, "\n".join(lines) + "\n")
+
+
+def read(path: str) -> tuple[dict[str, Any], list[Trace]]:
+    lines = Path(path).read_text().splitlines()
+    meta = json.loads(lines[0])["meta"]
+    traces = []
+    for line in lines[1:]:
+        row = json.loads(line)
+        traces.append(Trace(row["name"], row["prompt"], row["output"], np.array(row["drafts"], dtype=np.int64),
+                            np.array(row["accepted"], dtype=np.int64)))
+    return meta, traces
+
+
+def measure_costs(target: Target, drafter: Drafter, tokenizer: Any, contexts: list[int], steps: int = 24,
+                  repeats: int = 3, name: str = "this machine") -> CostProfile:
+    """This machine's seconds per cycle at each depth and context length, and mlx-lm's plain step's.
+
+    A cycle's time is its share of a generation's decode time at a fixed depth
+    (``block_size = k + 1``, ``2 * steps`` tokens: ``steps`` to ``2 * steps`` cycles, as
+    many as the drafts leave), median of ``repeats`` runs, the depths in interleaved
+    order. The prompt is natural text cut to the context length.
+    """
+    from mlx_lm.generate import generate_step
+
+    from .bench import context_prompts
+
+    B = drafter.block_size
+    plain, cycle = [], []
+    for context in contexts:
+        ids = context_prompts(tokenizer, [context], target.max_positions)[0].token_ids
+        per_depth: list[list[float]] = [[] for _ in range(B)]
+        per_plain: list[float] = []
+        for _ in range(repeats):
+            for k in range(B):
+                r = generate(target, drafter, tokenizer, ids, max_tokens=2 * steps + 1, block_size=k + 1,
+                             eos_token_ids=[])
+                decode_seconds = (len(r.tokens) - 1) / r.generation_tps if r.generation_tps else 0.0
+                per_depth[k].append(decode_seconds / max(r.cycles, 1))
+            stamps = []
+            for _ in generate_step(mx.array(ids), target.model, max_tokens=steps + 1,
+                                   prompt_cache=target.make_cache()):
+                stamps.append(time.perf_counter())
+            per_plain.append((stamps[-1] - stamps[0]) / steps)
+        plain.append(float(np.median(per_plain)))
+        cycle.append([float(np.median(v)) for v in per_depth])
+    return CostProfile(name, "measured by traces.measure_costs", list(contexts), plain, cycle)

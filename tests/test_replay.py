@@ -1,0 +1,126 @@
+"""Traces and their replay: recorded drafts are the decode loop's, the replay is deterministic, the oracle optimal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_mlx import replay, stream_generate, traces
+from dflash_mlx.policy import AdaptiveDepth, FixedBlock
+from dflash_mlx.replay import CostProfile, Trace
+from dflash_mlx.sampling import Sampling
+
+
+def _positions(target, drafter, tokenizer, ids, max_tokens, block_size, sampling=Sampling()):
+    """(position, drafted, accepted) per drafting cycle; position p: the cycle starts after output[p]."""
+    emitted, out = 0, []
+    for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
+                             eos_token_ids=[], temperature=sampling.temperature, seed=sampling.seed):
+        if len(r.drafted):
+            out.append((emitted - 1, list(r.drafted), r.accepted))
+        emitted += len(r.tokens)
+    return out
+
+
+@pytest.mark.parametrize("pair", ["qwen3", "llama"])
+def test_recorded_drafts_are_the_decode_loops(pairs, pair):
+    target, drafter, tokenizer = pairs[pair]
+    ids = tokenizer.encode("the trace of a prompt")
+    trace = traces.record(target, drafter, tokenizer, "p", ids, 24)
+    assert trace.drafts.shape == (23, drafter.block_size, drafter.block_size - 1)
+    for block in (2, 5, drafter.block_size):
+        cycles = _positions(target, drafter, tokenizer, ids, 24, block)
+        assert len(cycles) > 3
+        for p, drafted, accepted in cycles:
+            k = len(drafted)
+            assert trace.drafts[p, k, :k].tolist() == drafted, (block, p)
+            assert trace.accepted[p, k] == accepted
+
+
+def test_recorded_acceptance_of_a_drafter_that_agrees(looping):
+    target, drafter, tokenizer, ids, ref, _ = looping
+    trace = traces.record(target, drafter, tokenizer, "loop", ids, 40)
+    assert trace.output == ref[:40]
+    assert trace.accepted[:, -1].max() >= 4  # long accepted runs, as the decode loop sees them
+    for p, drafted, accepted in _positions(target, drafter, tokenizer, ids, 40, drafter.block_size):
+        assert trace.accepted[p, len(drafted)] == accepted
+
+
+def test_a_sampled_trace_follows_the_seeded_target(looping):
+    target, drafter, tokenizer, ids, _, _ = looping
+    sampling = Sampling(temperature=1.0, seed=5)
+    trace = traces.record(target, drafter, tokenizer, "s", ids, 20, sampling)
+    plain = [t for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=20, block_size=1, eos_token_ids=[],
+                                        temperature=1.0, seed=5) for t in r.tokens]
+    deep = [t for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=20, eos_token_ids=[],
+                                       temperature=1.0, seed=5) for t in r.tokens]
+    assert trace.output == plain == deep  # position-keyed draws: the same tokens at any depth
+
+
+def _trace(accepted_full: list[int], B: int = 3, prompt: int = 4) -> Trace:
+    """A hand-made trace whose block of k + 1 accepts min(k, accepted_full[p]) (drafts are not needed)."""
+    full = np.array(accepted_full)
+    accepted = np.minimum(full[:, None], np.arange(B + 1)[None, :])
+    drafts = np.full((len(full), B + 1, B), -1)
+    return Trace("hand", list(range(prompt)), list(range(100, 100 + len(full) + 1)), drafts, accepted)
+
+
+def _profile(B: int = 3, upkeep: float = 0.1, drafter: float = 0.3, per_token: float = 0.2) -> CostProfile:
+    return CostProfile.relative("hand", "a test", B, 1.0, upkeep, drafter, per_token)
+
+
+def _brute(trace: Trace, profile: CostProfile, p: int = 0) -> float:
+    n = len(trace.output)
+    if p >= n - 1:
+        return 0.0
+    return min(profile.seconds(k, 0) + _brute(trace, profile, p + trace.accepted_at(p, k) + 1)
+               for k in range(min(trace.max_depth, n - p - 2) + 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_oracle_is_optimal_by_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    trace = _trace(rng.integers(0, 4, size=9).tolist())
+    profile = _profile(per_token=float(rng.uniform(0.0, 0.6)))
+    assert replay.oracle(trace, profile) == pytest.approx(_brute(trace, profile))
+    for k in range(4):  # and no fixed depth beats it
+        assert replay.oracle(trace, profile) <= replay.simulate(FixedBlock(k + 1), [trace], profile).seconds + 1e-12
+
+
+def test_a_hand_made_replay():
+    trace = _trace([3, 0, 0, 0, 2, 1, 0])  # 7 positions, 8 output tokens
+    profile = _profile()
+    # k = 3 at p 0 (accepts 3), then the budget leaves room for 2 at p 4 (accepts 2): p 7 ends it
+    run = replay.simulate(FixedBlock(4), [trace], profile)
+    assert run.depths == [0, 0, 1, 1] and run.seconds == pytest.approx(1.9 + 1.7) and run.tokens == 7
+    plain = replay.simulate(FixedBlock(1), [trace], profile)  # the loop's plain steps cost 1.1 mlx-lm steps
+    assert plain.seconds == pytest.approx(7 * 1.1) and plain.vs_plain == pytest.approx(1 / 1.1)
+    k, best = replay.best_fixed([trace], profile)
+    assert k == 3 and best.seconds == run.seconds
+
+
+def test_the_replay_is_deterministic():
+    rng = np.random.default_rng(0)
+    recorded = [_trace(rng.integers(0, 16, size=120).tolist(), B=15, prompt=50) for _ in range(4)]
+    profile = replay.mac_profile("m5max-27b-4bit", 15)
+    runs = [replay.simulate(AdaptiveDepth(15), recorded, profile) for _ in range(2)]
+    assert runs[0].seconds == runs[1].seconds and runs[0].depths == runs[1].depths
+    judged = replay.judge(lambda depth: AdaptiveDepth(depth), recorded, profile)
+    assert judged["oracle_vs_plain"] >= judged["best_fixed_vs_plain"] and judged["policy_of_oracle"] <= 1
+
+
+def test_trace_files_round_trip(pairs, tmp_path):
+    target, drafter, tokenizer = pairs["qwen3"]
+    trace = traces.record(target, drafter, tokenizer, "p", tokenizer.encode("round trip"), 8)
+    traces.write(str(tmp_path / "t.jsonl"), [trace], {"pair": "qwen3"})
+    meta, (back,) = traces.read(str(tmp_path / "t.jsonl"))
+    assert meta == {"pair": "qwen3"} and back.output == trace.output and back.prompt == trace.prompt
+    assert (back.drafts == trace.drafts).all() and (back.accepted == trace.accepted).all()
+
+
+def test_costs_are_measured_per_depth_and_context(pairs):
+    target, drafter, tokenizer = pairs["qwen3"]
+    profile = traces.measure_costs(target, drafter, tokenizer, [16, 64], steps=2, repeats=1)
+    assert profile.contexts == [16, 64] and len(profile.cycle) == 2
+    assert all(len(row) == drafter.block_size and min(row) > 0 for row in profile.cycle) and min(profile.plain) > 0
+    assert profile.seconds(3, 40) == pytest.approx((profile.cycle[0][3] + profile.cycle[1][3]) / 2)
