@@ -7,6 +7,7 @@ at each --contexts length, and mlx-lm's plain step's. Written as OUT.jsonl (trac
 OUT.profile.json (costs), atomically.
 
     python bench/trace.py --pair bench/.cache/pair-... [--prompts 16] [--max-tokens 192] [--temp 1]
+    python bench/trace.py --pair ... --context-tokens 3072 --contexts 256,3328   # long contexts
     python bench/trace.py --random        # the random hidden 1024 x 8 pair: no depth pays
 """
 
@@ -20,7 +21,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from dflash_mlx import load, traces  # noqa: E402
-from dflash_mlx.bench import builtin, read_jsonl  # noqa: E402
+from dflash_mlx.bench import builtin, context_prompts, read_jsonl  # noqa: E402
 from dflash_mlx.chat_template import has_chat_template, prompt_ids  # noqa: E402
 from dflash_mlx.files import write_atomic  # noqa: E402
 from dflash_mlx.sampling import Sampling  # noqa: E402
@@ -35,13 +36,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--temp", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context-tokens", type=int, default=0,
+                    help="put this many tokens of natural text before every prompt (long-context traces)")
     ap.add_argument("--contexts", default="256,2048", help="context lengths at which cycle costs are measured")
     ap.add_argument("--out", type=Path, help="OUT.jsonl and OUT.profile.json (default: bench/.cache/traces/NAME)")
     args = ap.parse_args()
     if args.random == (args.pair is not None):
         ap.error("give --pair DIR or --random")
     pair = build_models(1024, 8) if args.random else args.pair
-    name = f"{pair.name}-t{args.temp:g}"
+    name = f"{pair.name}-t{args.temp:g}" + (f"-c{args.context_tokens}" if args.context_tokens else "")
     out = args.out or CACHE / "traces" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     traces_file, profile_file = out.parent / f"{out.name}.jsonl", out.parent / f"{out.name}.profile.json"
@@ -54,17 +57,18 @@ def main() -> None:
         conversations = [c for row in zip(code, conversations) for c in row]
     conversations = conversations[: args.prompts]
     sampling = Sampling(temperature=args.temp, seed=args.seed if args.temp else None)
+    context = context_prompts(tokenizer, [args.context_tokens], None)[0].token_ids if args.context_tokens else []
     recorded = []
     tic = time.perf_counter()
     for conv in conversations:
         history = [{"role": "user", "content": conv.turns[0]}]
         ids = prompt_ids(tokenizer, history) if has_chat_template(tokenizer) else tokenizer.encode(conv.turns[0])
-        trace = traces.record(target, drafter, tokenizer, conv.name, ids, args.max_tokens, sampling)
+        trace = traces.record(target, drafter, tokenizer, conv.name, context + ids, args.max_tokens, sampling)
         recorded.append(trace)
-        print(f"{conv.name:<16} {len(ids):>5} prompt tokens  E[accepted] at k=1,4,15: "
+        print(f"{conv.name:<16} {len(context + ids):>5} prompt tokens  E[accepted] at k=1,4,15: "
               + "  ".join(f"{trace.accepted[:, k].mean():.2f}" for k in (1, 4, trace.max_depth)), flush=True)
-    meta = {"pair": str(pair), "temperature": args.temp, "seed": sampling.seed, "max_tokens": args.max_tokens,
-            "block_size": drafter.block_size, "machine": machine_description()}
+    meta = {"pair": str(pair), "context_tokens": args.context_tokens, "temperature": args.temp, "seed": sampling.seed,
+            "max_tokens": args.max_tokens, "block_size": drafter.block_size, "machine": machine_description()}
     traces.write(str(traces_file), recorded, meta)
     print(f"traces: {len(recorded)} prompts in {time.perf_counter() - tic:.0f} s -> {traces_file}")
 
