@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from typing import Iterable
 
 import mlx.core as mx
@@ -26,3 +28,12 @@ def plain_greedy(
             break
         out.append(token)
     return out
+
+
+def default_sigint() -> None:
+    """A ``preexec_fn``: let a child's Ctrl-C (SIGINT) work even when pytest itself runs as a background job.
+
+    A shell starts background jobs with SIGINT ignored; children inherit that, and Python
+    then installs no KeyboardInterrupt handler, so SIGINT would silently do nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

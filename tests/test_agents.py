@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import fixtures, load
 from dflash_mlx.chat_template import render
 from dflash_mlx.replies import Reply, ToolCall
+from helpers import default_sigint
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -38,7 +39,8 @@ def _start(draft, target, *extra):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(draft), "--target", str(target),
            "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:

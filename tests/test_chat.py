@@ -13,7 +13,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from typer.testing import CliRunner
 from dflash_mlx.chat import ChatSession
 from dflash_mlx.chat import HELP as CHAT_HELP
 from dflash_mlx.cli import app
+from helpers import default_sigint
 
 CLI = Path(sys.executable).parent / "dflash-mlx"  # the console script of this venv (there is no __main__)
 # A dumb, colourless terminal: output without escape codes. (Rich takes a dumb terminal to be 80
@@ -57,15 +57,6 @@ def chat_args(models_dir: Path, max_tokens: int = 40) -> list[str]:
     return ["chat", str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--max-tokens", str(max_tokens)]
 
 
-def _default_sigint() -> None:
-    """Let the terminal's Ctrl-C reach the chat even when pytest itself runs as a background job.
-
-    A shell starts background jobs with SIGINT ignored; children inherit that, and Python
-    then installs no KeyboardInterrupt handler, so Ctrl-C would silently do nothing.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class Chat:
     """One ``dflash-mlx chat`` process on a pseudo-terminal, typed at the way a person would.
 
@@ -76,7 +67,7 @@ class Chat:
     def __init__(self, models_dir: Path, cwd: Path, max_tokens: int = 40, home: Optional[Path] = None):
         self.child = pexpect.spawn(
             str(CLI), chat_args(models_dir, max_tokens), cwd=str(cwd), env={**ENV, "HOME": str(home or cwd)},
-            timeout=TIMEOUT, encoding="utf-8", codec_errors="replace", dimensions=(50, 200), preexec_fn=_default_sigint,
+            timeout=TIMEOUT, encoding="utf-8", codec_errors="replace", dimensions=(50, 200), preexec_fn=default_sigint,
         )
         self.log = io.StringIO()
         self.child.logfile_read = self.log

@@ -19,6 +19,7 @@ from dflash_mlx import generate, load
 from dflash_mlx.chat_template import render, user
 from dflash_mlx.cli import app
 from dflash_mlx.system import blas_check
+from helpers import default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "dflash-mlx"
@@ -97,7 +98,8 @@ def test_ctrl_c_during_generate_json_keeps_what_was_generated(models_dir):
     """The JSON of the tokens so far, marked interrupted, and a statistics line; exit 130."""
     args = [str(CLI), "generate", str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "-p", "hi",
             "-m", "100000", "--json"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     time.sleep(8)  # loaded (a few seconds here) and decoding
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -18,6 +18,7 @@ import pytest
 from dflash_mlx import fixtures, generate, load, make_cache
 from dflash_mlx.chat_template import render
 from dflash_mlx.prompt_cache import FORMAT, PromptCache, fingerprint
+from helpers import default_sigint
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
 LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
@@ -204,7 +205,8 @@ def _start(folder: Path, *extra) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(folder / "draft"), "--target",
            str(folder / "target"), "--port", str(port), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:

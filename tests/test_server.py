@@ -11,7 +11,7 @@ import time
 
 import httpx2 as httpx
 import pytest
-from helpers import plain_greedy
+from helpers import default_sigint, plain_greedy
 
 from dflash_mlx import generate, load
 
@@ -31,7 +31,8 @@ def _start(models_dir, *extra, draft: str = "qwen3-dflash", target: str = "qwen3
     port = _free_port()
     cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(models_dir / draft),
            "--target", str(models_dir / target), "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
