@@ -1,8 +1,10 @@
-"""Shared test helpers: the plain greedy reference decoder."""
+"""Shared test helpers: the plain greedy reference decoder, and child processes that stop or are stopped."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 
 from typing import Iterable
 
@@ -37,3 +39,17 @@ def default_sigint() -> None:
     then installs no KeyboardInterrupt handler, so SIGINT would silently do nothing.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Wait for ``proc`` to end; its (stdout, stderr). One still running after ``timeout`` is killed, with its
+    process group when it leads one (mlx.launch's ranks), so that a failing test leaves no server behind."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.communicate()
+        raise

@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import fixtures, load
 from dflash_mlx.chat_template import render
 from dflash_mlx.replies import Reply, ToolCall
-from helpers import default_sigint
+from helpers import default_sigint, finish
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -56,7 +56,7 @@ def _start(draft, target, *extra):
 
 def _stop(proc):
     proc.send_signal(2)
-    _, err = proc.communicate(timeout=30)
+    _, err = finish(proc, 30)
     assert proc.returncode == 0 and "Traceback" not in err, err
     return err
 

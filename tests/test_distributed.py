@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from helpers import plain_greedy
+from helpers import finish, plain_greedy
 
 from dflash_mlx import fixtures, generate, load
 
@@ -184,7 +184,7 @@ def test_serve_answers_as_one_machine_and_stops_on_ctrl_c(sharded_pairs):
         assert httpx.get(f"{url}/health", timeout=5).json()["cancelled"] == 1
     finally:
         os.kill(rank_pids(proc.pid)[0], 2)  # Ctrl-C to rank 0: it stops the others
-        out, err = proc.communicate(timeout=60)
+        out, err = finish(proc, 60)
     assert "stopped" in err and "Traceback" not in err, err[-3000:]
 
 
@@ -212,7 +212,7 @@ def test_ctrl_c_in_the_terminal_leaves_no_rank_behind(sharded_pairs):
         time.sleep(0.1)
     pids = rank_pids(proc.pid)
     os.killpg(proc.pid, 2)
-    proc.communicate(timeout=60)
+    finish(proc, 60)
     deadline = time.monotonic() + 30
     while any(Path(f"/proc/{pid}").exists() for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -19,7 +19,7 @@ from dflash_mlx import generate, load
 from dflash_mlx.chat_template import render, user
 from dflash_mlx.cli import app
 from dflash_mlx.system import blas_check
-from helpers import default_sigint
+from helpers import default_sigint, finish
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "dflash-mlx"
@@ -102,7 +102,7 @@ def test_ctrl_c_during_generate_json_keeps_what_was_generated(models_dir):
                             preexec_fn=default_sigint)
     time.sleep(8)  # loaded (a few seconds here) and decoding
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = finish(proc, 60)
     assert proc.returncode == 130 and "Traceback" not in err, err
     result = json.loads(out)
     assert result["interrupted"] and result["finish_reason"] == "interrupted" and len(result["tokens"]) > 10

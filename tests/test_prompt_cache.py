@@ -18,7 +18,7 @@ import pytest
 from dflash_mlx import fixtures, generate, load, make_cache
 from dflash_mlx.chat_template import render
 from dflash_mlx.prompt_cache import FORMAT, PromptCache, fingerprint
-from helpers import default_sigint
+from helpers import default_sigint, finish
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
 LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
@@ -243,7 +243,7 @@ def test_the_server_alternates_conversations_and_survives_a_restart(layouts, tmp
         health = httpx.get(f"{url}/health").json()
     finally:
         proc.send_signal(signal.SIGTERM)  # what launchd and systemd send: a clean stop, pending writes finished
-        _, err = proc.communicate(timeout=60)
+        _, err = finish(proc, 60)
     assert proc.returncode == 0 and "stopped" in err and "Traceback" not in err, err
     for name in "AB":
         assert cached[name, 1] >= len(render(tokenizer, _conversation(name, 1, replies)))
@@ -260,4 +260,4 @@ def test_the_server_alternates_conversations_and_survives_a_restart(layouts, tmp
             tokenizer, messages), max_tokens=12).text
     finally:
         proc.send_signal(2)
-        proc.communicate(timeout=60)
+        finish(proc, 60)

@@ -11,7 +11,7 @@ import time
 
 import httpx2 as httpx
 import pytest
-from helpers import default_sigint, plain_greedy
+from helpers import default_sigint, finish, plain_greedy
 
 from dflash_mlx import generate, load
 
@@ -48,7 +48,7 @@ def _start(models_dir, *extra, draft: str = "qwen3-dflash", target: str = "qwen3
 
 def _ctrl_c(proc: subprocess.Popen, url: str) -> None:
     proc.send_signal(2)
-    out, err = proc.communicate(timeout=30)
+    out, err = finish(proc, 30)
     assert proc.returncode == 0 and "Traceback" not in err and "terminate" not in err, err
     assert f"{url}/v1" in err and "stopped" in err
 
@@ -69,7 +69,7 @@ def test_ctrl_c_during_a_reply_stops_cleanly(models_dir):
         proc.send_signal(2)
         rest = list(lines)  # the stream ends (with an error event) instead of hanging
     assert any("shutting down" in line for line in rest) or not rest
-    out, err = proc.communicate(timeout=30)
+    out, err = finish(proc, 30)
     assert proc.returncode == 0 and "Traceback" not in err and "stopped" in err, err
 
 
