@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--mixed", nargs=2, type=Path, metavar=("GREEDY", "SAMPLED"),
                     help="greedy and sampled requests alternating: one policy state for both vs one each")
     args = ap.parse_args()
+    for path in [*args.traces, *(args.mixed or [])]:
+        if not path.is_file():
+            ap.error(f"{path}: no such trace file (write one with bench/trace.py)")
     tic = time.perf_counter()
     for path in args.traces:
         meta, recorded = traces.read(str(path))
