@@ -10,7 +10,11 @@ from dflash_mlx.system import blas_library, is_reference_blas, machine_descripti
 
 reexec_with_openblas()  # before any work: it may restart this process
 
+import signal  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -115,3 +119,28 @@ def median_time(fn: Callable[[], Any], reps: int = 20) -> float:
         fn()
         times.append(time.perf_counter() - tic)
     return statistics.median(times)
+
+
+def start_server(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """``dflash-mlx serve`` of a pair folder (draft/, target/) on a free loopback port; (process, URL) once it answers."""
+    import httpx2 as httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(pair / "draft"),
+           "--target", str(pair / "target"), "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, not SIGINT: a script run in the background hands its children SIGINT ignored."""
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)

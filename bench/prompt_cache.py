@@ -14,15 +14,11 @@ alternating A1, B1, A2, B2 as agents and chat apps send them, streamed
 
 from __future__ import annotations
 
-from common import build_models, print_machine  # re-execs with OpenBLAS first
+from common import build_models, print_machine, start_server, stop_server  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import base64  # noqa: E402
 import json  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,27 +27,6 @@ import httpx2 as httpx  # noqa: E402
 
 TEXT = ("Answer in the voice of a careful engineer who checks every number twice and explains each step of the "
         "reasoning before the result, citing the measurement that supports it. ")
-
-
-def start(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(pair / "draft"), "--target",
-           str(pair / "target"), "--port", str(port), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)  # SIGINT is ignored when this script runs in the background
-    proc.wait(timeout=120)
 
 
 def ask(url: str, messages: list[dict]) -> tuple[float, str, int]:
@@ -104,32 +79,32 @@ def main() -> None:
 
     figures = {}
     for label, extra in (("cache, 10 entries", []), ("one entry", ["--prompt-cache-size", "1"])):
-        proc, url = start(pair, extra)
+        proc, url = start_server(pair, extra)
         try:
             ask(url, [{"role": "user", "content": "warm up"}])
             replies, seconds = alternate(url)
         finally:
-            stop(proc)
+            stop_server(proc)
         figures[label] = seconds
         print(f"{label:18s} A2 after B1: time to first token {seconds['A', 1]:.2f} s ({seconds['A', 1, 'cached']} "
               f"tokens cached); A1 cold {seconds['A', 0]:.2f} s", flush=True)
     with tempfile.TemporaryDirectory() as disk:
-        proc, url = start(pair, ["--prompt-cache-dir", disk])
+        proc, url = start_server(pair, ["--prompt-cache-dir", disk])
         try:
             for name in "AB":
                 ask(url, conversation(name, 1, {}))
         finally:
-            stop(proc)
+            stop_server(proc)
         files = list(Path(disk).rglob("*.safetensors"))
         size, held = sum(f.stat().st_size for f in files), sum(entry_tokens(f) for f in files)
         a2 = conversation("A", 2, replies)
         restarted = {}
         for label, extra in (("from disk", ["--prompt-cache-dir", disk]), ("cold", [])):
-            proc, url = start(pair, extra)
+            proc, url = start_server(pair, extra)
             try:
                 restarted[label] = ask(url, a2)
             finally:
-                stop(proc)
+                stop_server(proc)
     print(f"after a restart, A2: from disk {restarted['from disk'][0]:.2f} s ({restarted['from disk'][2]} tokens "
           f"cached), cold {restarted['cold'][0]:.2f} s; replies identical: "
           f"{restarted['from disk'][1] == restarted['cold'][1] == replies['A', 1]}")

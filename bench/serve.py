@@ -18,13 +18,11 @@ same prompt and decode the same reply, and only the parsing differs.
 
 from __future__ import annotations
 
-from common import CACHE, print_machine  # re-execs with OpenBLAS first
+from common import CACHE, print_machine, start_server, stop_server  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -32,22 +30,6 @@ from importlib import resources  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import httpx2 as httpx  # noqa: E402
-
-
-def start(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(pair / "draft"),
-           "--target", str(pair / "target"), "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
 
 
 # The pair's chat template (the messages' text) and, in a comment that renders nothing, the markers mlx-lm
@@ -121,13 +103,12 @@ def main() -> None:
         return
     figures = {}
     for name, extra in (("dflash", []), ("plain", ["--block-size", "1"])):
-        proc, url = start(pair, extra)
+        proc, url = start_server(pair, extra)
         try:
             run(url, prompts[:2], 16, 1)  # warm-up (the adaptive policy measures its first cycles here)
             figures[name] = {c: run(url, prompts, args.max_tokens, c) for c in (1, 8)}
         finally:
-            proc.send_signal(2)
-            proc.wait(timeout=60)
+            stop_server(proc)
     for c in (1, 8):
         d, p = figures["dflash"][c], figures["plain"][c]
         assert [r["text"] for r in d] == [r["text"] for r in p], "dflash and plain served different text"
@@ -141,7 +122,7 @@ def main() -> None:
 def with_and_without_tools(pair: Path, prompts: list[str], max_tokens: int, repeats: int = 3) -> None:
     """One DFlash server; each prompt as a text completion (no parsing), a chat completion, and a chat completion
     with tools (every piece through the tool-call parser), in rotating order; medians of decode tok/s."""
-    proc, url = start(pair, ["--chat-template", TOOLS_TEMPLATE, "--log-level", "warning"])
+    proc, url = start_server(pair, ["--chat-template", TOOLS_TEMPLATE, "--log-level", "warning"])
     variants = {"text completion": None, "chat": False, "chat + tools": True}
     try:
         request(url, prompts[0], 16, tools=True)  # warm-up
@@ -152,8 +133,7 @@ def with_and_without_tools(pair: Path, prompts: list[str], max_tokens: int, repe
                 for name in names[(r + i) % 3:] + names[: (r + i) % 3]:
                     runs[name].append(request(url, prompt, max_tokens, tools=variants[name]))
     finally:
-        proc.send_signal(2)
-        proc.wait(timeout=60)
+        stop_server(proc)
     texts = [[r["text"] for r in v] for v in runs.values()]
     assert texts[0] == texts[1] == texts[2], "the variants decoded different replies"
     tps = {name: statistics.median(r["tps"] for r in v) for name, v in runs.items()}

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
 
+from pathlib import Path
 from typing import Iterable
 
+import httpx2 as httpx
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 
 
@@ -53,3 +59,24 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             proc.kill()
         proc.communicate()
         raise
+
+
+def start_server(draft: Path, target: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``dflash-mlx serve`` in a process of its own on a free loopback port; (process, base URL) once it answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(draft), "--target", str(target),
+           "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stderr.read()}")
+        time.sleep(0.1)
+    pytest.fail("server did not start")

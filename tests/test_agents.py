@@ -5,10 +5,6 @@ an answer, a tool call when tools are offered, and an answer after the tool's re
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 
 import httpx2 as httpx
 import mlx.core as mx
@@ -19,7 +15,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import fixtures, load
 from dflash_mlx.chat_template import render
 from dflash_mlx.replies import Reply, ToolCall
-from helpers import default_sigint, finish
+from helpers import finish, start_server
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -34,24 +30,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _start(draft, target, *extra):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(draft), "--target", str(target),
-           "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()}")
-        time.sleep(0.1)
-    pytest.fail("server did not start")
+    return start_server(draft, target, *extra)
 
 
 def _stop(proc):

@@ -6,10 +6,7 @@ import json
 import logging
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx2 as httpx
@@ -18,7 +15,7 @@ import pytest
 from dflash_mlx import fixtures, generate, load, make_cache
 from dflash_mlx.chat_template import render
 from dflash_mlx.prompt_cache import FORMAT, PromptCache, fingerprint
-from helpers import default_sigint, finish
+from helpers import finish, start_server
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
 LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
@@ -200,24 +197,7 @@ def test_the_disk_cap_keeps_the_newest(layouts, tmp_path):
 
 
 def _start(folder: Path, *extra) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(folder / "draft"), "--target",
-           str(folder / "target"), "--port", str(port), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()}")
-        time.sleep(0.1)
-    pytest.fail("server did not start")
+    return start_server(folder / "draft", folder / "target", "--log-level", "warning", *extra)
 
 
 def _chat(url: str, messages) -> dict:

@@ -11,7 +11,7 @@ import time
 
 import httpx2 as httpx
 import pytest
-from helpers import default_sigint, finish, plain_greedy
+from helpers import finish, plain_greedy, start_server
 
 from dflash_mlx import generate, load
 
@@ -28,22 +28,7 @@ def _free_port() -> int:
 
 
 def _start(models_dir, *extra, draft: str = "qwen3-dflash", target: str = "qwen3") -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(models_dir / draft),
-           "--target", str(models_dir / target), "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()}")
-        time.sleep(0.1)
-    pytest.fail("server did not start")
+    return start_server(models_dir / draft, models_dir / target, *extra)
 
 
 def _ctrl_c(proc: subprocess.Popen, url: str) -> None:
