@@ -20,8 +20,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from dflash_mlx import replay, traces
-from dflash_mlx.policy import Acceptance, AdaptiveDepth, Repeats
+from dflash_mlx.policy import Acceptance, AdaptiveDepth
+from dflash_mlx.repeats import Repeats
 
 
 def _with(**changes) -> Callable[[int], AdaptiveDepth]:
@@ -42,6 +45,7 @@ def _with(**changes) -> Callable[[int], AdaptiveDepth]:
 
 # Each tunable of the default policy, removed (or, for a bare number, halved and doubled): what it is worth.
 ABLATIONS: dict[str, Callable[[int], AdaptiveDepth]] = {
+    "no copy drafts (copies)": _with(copies=False),
     "no repeat buckets (Repeats)": _with(repeats=Repeats(n=10**9)),
     "two buckets, no long one (long)": _with(repeats=Repeats(long=10**9)),
     "no acceptance decay (decay 1)": _with(acceptance={"decay": 1.0}),
@@ -89,14 +93,21 @@ def main() -> None:
               + "  ".join(f"{short[k]:.2f}" for k in (1, 2, 4, 8, B)))
         print("                              whole block, first k: "
               + "  ".join(f"{full[k]:.2f}" for k in (1, 2, 4, 8, B)))
-        print(f"  {'profile':<34} {'policy':>7} {'fixed (k)':>11} {'oracle':>7} {'of fixed':>9} {'of oracle':>9}"
-              f"  {'oracle, whole block':>19}")
+        offered = sum(int((t.copied >= 0).sum()) for t in recorded)
+        print(f"  copy drafts offered at {offered / positions:.0%} of positions; E[accepted] of a copy of 15 there: "
+              + f"{np.mean([min(c, B) for t in recorded for c in t.copied if c >= 0] or [0]):.2f}")
+        print(f"  {'profile':<26} {'policy':>7} {'drafter':>8} {'fixed (k)':>11} {'copy (k)':>11} {'oracle':>7} "
+              f"{'of fixed':>8} {'of oracle':>9} {'copies':>6}  {'oracle, whole block':>19}")
         for profile in profiles_for(path, B):
             got = replay.judge(lambda depth: AdaptiveDepth(depth), recorded, profile)
-            whole = replay.oracle_replay(recorded, profile, full=True)
-            print(f"  {profile.name:<34} {got['policy_vs_plain']:>6.2f}x {got['best_fixed_vs_plain']:>6.2f}x "
-                  f"({got['best_fixed_depth']:>2}) {got['oracle_vs_plain']:>6.2f}x {got['policy_of_best_fixed']:>9.3f} "
-                  f"{got['policy_of_oracle']:>9.3f}  {whole.vs_plain:>18.2f}x")
+            alone = replay.simulate(AdaptiveDepth(B, copies=False), recorded, profile)
+            whole = replay.oracle_replay(recorded, profile, full=True, copies=False)
+            cycles = sum(got["depths"])
+            print(f"  {profile.name[:26]:<26} {got['policy_vs_plain']:>6.2f}x {alone.vs_plain:>7.2f}x "
+                  f"{got['best_fixed_vs_plain']:>6.2f}x ({got['best_fixed_depth']:>2}) "
+                  f"{got['best_copy_vs_plain']:>6.2f}x ({got['best_copy_depth']:>2}) {got['oracle_vs_plain']:>6.2f}x "
+                  f"{got['policy_of_best_fixed']:>8.3f} {got['policy_of_oracle']:>9.3f} "
+                  f"{got['copies'] / max(cycles, 1):>6.0%}  {whole.vs_plain:>18.2f}x")
         if args.ablate:
             profiles = profiles_for(path, B)
             base = [replay.simulate(AdaptiveDepth(B), recorded, p).tokens_per_second for p in profiles]

@@ -38,6 +38,7 @@ import dflash_mlx  # noqa: E402
 from dflash_mlx import fixtures  # noqa: E402
 from dflash_mlx.dflash2 import CODEBOOKS, DFlash2Args, DFlash2Drafter  # noqa: E402
 from dflash_mlx.caches import trim_to  # noqa: E402
+from dflash_mlx.policy import DRAFTER, Plan  # noqa: E402
 
 # The Qwen3.8-27B-DFlash2 column of the reference table (and its 64-layer target's count).
 PUBLISHED = dict(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, vocab=248320, layers=5,
@@ -183,10 +184,10 @@ class Depth:
     def start(self) -> None:
         pass
 
-    def draft_length(self, history) -> int:
-        return self.k
+    def plan(self, history) -> Plan:
+        return Plan(self.k)
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         if drafted == self.k:
             self.seconds.append(seconds)
 

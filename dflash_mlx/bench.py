@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.console import Console
 
-BUILTIN_SETS = ("math", "code", "chat")
+MIXED_SETS = ("math", "code", "chat")  # what "all" interleaves: ordinary generation
+# "edit": a source file in the prompt, asked back with one change (what agents do); its output repeats the prompt
+BUILTIN_SETS = (*MIXED_SETS, "edit")
 # name -> (Hub dataset, config, split, field holding the prompt or the list of turns)
 DATASETS = {
     "gsm8k": ("openai/gsm8k", "main", "test", "question"),
@@ -58,7 +60,7 @@ class Conversation:
 def builtin(name: str = "all") -> list[Conversation]:
     """A built-in set; "all" interleaves them (math, code, chat, math, ...) so any prefix is a mix."""
     sets = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
-    names = BUILTIN_SETS if name == "all" else (name,)
+    names = MIXED_SETS if name == "all" else (name,)
     columns = [[Conversation(f"{n}-{i}", [p]) for i, p in enumerate(sets[n])] for n in names]
     return [c for row in itertools.zip_longest(*columns) for c in row if c is not None]
 
@@ -162,6 +164,17 @@ def repetition(tokens: list[int], max_period: int = 16, n: int = 4) -> tuple[int
     return longest, distinct
 
 
+def from_prompt(prompt: list[int], output: list[int], n: int = 8) -> float:
+    """Share of ``output`` tokens inside an ``n``-token span that also occurs in ``prompt``: how much of a reply
+    re-emits its prompt (a file asked back with one change), whichever way it was drafted."""
+    spans = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(output)
+    for i in range(len(output) - n + 1):
+        if tuple(output[i : i + n]) in spans:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(output) if output else 0.0
+
+
 def degenerate(tokens: list[int]) -> bool:
     """A greedy loop: half the output repeats a short span, or few distinct 4-grams."""
     longest, distinct = repetition(tokens)
@@ -191,7 +204,8 @@ def _dflash(target: Any, drafter: Any, tokenizer: Any, ids: list[int], **kwargs:
     r = generate(target, drafter, tokenizer, ids, eos_token_ids=[], **kwargs)
     return {"tokens": r.tokens, "ttft_s": len(ids) / r.prompt_tps, "prefill_tps": r.prompt_tps,
             "decode_tps": r.generation_tps, "peak_memory_gb": r.peak_memory, "tau": r.tau,
-            "histogram": r.histogram, "depth_histogram": r.depth_histogram, "cycles": r.cycles}
+            "histogram": r.histogram, "depth_histogram": r.depth_histogram, "cycles": r.cycles,
+            "sources": r.by_source}
 
 
 def measure(
@@ -202,6 +216,7 @@ def measure(
     *,
     max_tokens: int = 256,
     block_size: Optional[int] = None,
+    draft_source: str = "auto",
     window: Optional[int] = None,
     sinks: int = 0,
     temperature: float = 0.0,
@@ -214,7 +229,8 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One record per prompt (per turn for multi-turn conversations), after a warm-up of both paths."""
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    dflash_kwargs = dict(max_tokens=max_tokens, block_size=block_size, window=window, sinks=sinks, **sampling)
+    dflash_kwargs = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window,
+                         sinks=sinks, **sampling)
     warm = tokenizer.encode("Hello", add_special_tokens=False) or [0]
     _plain(target, warm, 4, window, sinks, **sampling)
     _dflash(target, drafter, tokenizer, warm, **dict(dflash_kwargs, max_tokens=4))
@@ -267,7 +283,7 @@ def _record(name: str, turn: int, ids: list[int], runs: list[dict[str, Any]], te
         "plain": plain, "dflash": dflash,
         "speedup": dflash["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0,
         "tau": dflash["tau"], "acceptance_histogram": dflash["histogram"], "depth_histogram": dflash["depth_histogram"],
-        "identical": identical, "longest_repeat": longest, "distinct_4gram_ratio": distinct,
+        "sources": dflash["sources"], "from_prompt": from_prompt(ids, dflash["tokens"]), "identical": identical, "longest_repeat": longest, "distinct_4gram_ratio": distinct,
         "flagged": flags,
     }
 
@@ -297,6 +313,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "dflash_prefill_tps": lambda r: r["dflash"]["prefill_tps"],
         "dflash_ttft_s": lambda r: r["dflash"]["ttft_s"],
         "dflash_peak_memory_gb": lambda r: r["dflash"]["peak_memory_gb"],
+        "from_prompt": lambda r: r["from_prompt"],
     }
     summary: dict[str, Any] = {"prompts": len(records), "flagged": len(records) - len(kept)}
     for name, get in metrics.items():
@@ -310,6 +327,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             histogram[k] += count
     summary["acceptance_histogram"] = histogram
     summary["plain_steps"] = sum(r["depth_histogram"][0] for r in kept if r["depth_histogram"])  # in histogram[0]
+    summary["sources"] = {source: {key: sum(r["sources"][source][key] for r in kept) for key in totals}
+                          for source, totals in (records[0]["sources"] if records else {}).items()}
     return summary
 
 
@@ -347,10 +366,18 @@ def print_report(report: dict[str, Any], out: "Console") -> None:
     for row in rows:
         table.add_row(*map(Text, row))
     out.print(table, soft_wrap=False)
-    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step), and flags:")
+    out.print("drafted tokens per cycle (depth:cycles; 0 = plain decoding step), copied tokens accepted/drafted,"
+              " and flags:")
     for r in records:
         flags = f"  flagged: {'; '.join(r['flagged'])}" if r["flagged"] else ""
-        out.print(f"  {escape(_label(r))}  {depths_text(r['depth_histogram'])}{flags}")
+        copy = r["sources"]["copy"]
+        copied = f"  copied {copy['accepted']}/{copy['drafted']}" if copy["drafted"] else ""
+        out.print(f"  {escape(_label(r))}  {depths_text(r['depth_histogram'])}{copied}{flags}")
+    if summary.get("sources"):
+        out.print("drafted (accepted) tokens by source: " + ", ".join(
+            f"{source} {t['drafted']} ({t['accepted']})" for source, t in summary["sources"].items()))
+    if summary["from_prompt"] is not None and summary["from_prompt"]["max"] > 0:
+        out.print(f"output re-emitting the prompt (8-token spans): median {summary['from_prompt']['median']:.0%}")
     if summary["speedup"] is not None:
         s, t = summary["speedup"], summary["tau"]
         out.print(f"speedup median {s['median']:.2f}x (min {s['min']:.2f}, max {s['max']:.2f}); "

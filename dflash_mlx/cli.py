@@ -117,14 +117,18 @@ TEMPLATE = typer.Option(
     None, "--chat-template", help="A chat template, as a Jinja file or its text, for a model without one (or instead of its own)."
 )
 STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
+SOURCE = typer.Option("auto", "--draft-source", help="Where drafts come from: auto (each cycle, the drafter or a copy "
+                                                      "of text the context already holds), drafter, or copy only.")
 
 
 def _check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
-                   prefill_step_size: Optional[int] = None, **sampling: Any) -> None:
+                   prefill_step_size: Optional[int] = None, draft_source: str = "auto", **sampling: Any) -> None:
     """Fail on bad flag values before loading gigabytes of weights (the window against the drafter's block after)."""
     from .caches import check_window
+    from .policy import check_source
     from .sampling import Sampling
 
+    check_source(draft_source)
     if block_size is not None and block_size < 1:
         raise DFlashError(f"--block-size must be >= 1, got {block_size}")
     if prefill_step_size is not None and prefill_step_size < 1:
@@ -207,6 +211,7 @@ def generate(
     seed: Optional[int] = SEED,
     verify: str = VERIFY,
     stop: Optional[list[str]] = STOP,
+    draft_source: str = SOURCE,
     chat_template: Optional[str] = TEMPLATE,
     raw: bool = typer.Option(False, "--no-chat-template", help="Send the prompt as raw text, without the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
@@ -216,8 +221,8 @@ def generate(
     from .generate import INTERRUPTED, GenerationResponse, GenerationResult, check_context, encode_prompt
     from .generate import generate as run
 
-    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, temperature=temperature, top_p=top_p,
-                   top_k=top_k, min_p=min_p, seed=seed, verify=verify)
+    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
+                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     if raw and chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
@@ -242,7 +247,8 @@ def generate(
         with prefill_progress() as progress:
             run(tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
                 window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
-                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify, stop=stop)
+                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify, stop=stop,
+                draft_source=draft_source)
     except KeyboardInterrupt:  # what was generated is kept: printed, and in the JSON marked interrupted
         interrupted = True
     result = GenerationResult.from_responses(responses, INTERRUPTED if interrupted else None) if responses else None
@@ -257,9 +263,12 @@ def generate(
     if result is None:
         err.print("[yellow]interrupted[/] before the first token")
     else:
+        copy = result.by_source["copy"]
+        copied = f" | copied {copy['accepted']}/{copy['drafted']}" if copy["drafted"] else ""
         err.print(f"[dim]prompt {result.prompt_tokens} tok @ {result.prompt_tps:.1f} tok/s | "
                   f"generated {result.generation_tokens} tok @ {result.generation_tps:.1f} tok/s | "
-                  f"tau {result.tau:.2f} | peak {result.peak_memory:.2f} GB | {result.finish_reason}[/]", soft_wrap=True)
+                  f"tau {result.tau:.2f}{copied} | peak {result.peak_memory:.2f} GB | {result.finish_reason}[/]",
+                  soft_wrap=True)
     if interrupted:
         raise typer.Exit(130)
 
@@ -446,6 +455,7 @@ def chat(
     seed: Optional[int] = SEED,
     verify: str = VERIFY,
     stop: Optional[list[str]] = STOP,
+    draft_source: str = SOURCE,
     chat_template: Optional[str] = TEMPLATE,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
@@ -456,8 +466,8 @@ def chat(
     from .generate import GenerationResponse
     from .registry import find
 
-    _check_options(block_size, max_tokens, window, sinks, temperature=temperature, top_p=top_p, top_k=top_k,
-                   min_p=min_p, seed=seed, verify=verify)
+    _check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature,
+                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     model, tgt, drafter, tokenizer = _load(model, target, chat_template)
     pair = find(model)
     if pair is not None and think is not None and pair.thinking in ("on", "off") and think != (pair.thinking == "on"):
@@ -468,7 +478,7 @@ def chat(
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
                           block_size=block_size, options=dict(max_tokens=max_tokens, temperature=temperature,
                                                               top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                                              verify=verify, stop=stop))
+                                                              verify=verify, stop=stop, draft_source=draft_source))
     interactive = sys.stdin.isatty()
     out = Console(highlight=False)
     if interactive:
@@ -525,9 +535,10 @@ def bench(
     sinks: int = SINKS,
     prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Context sweep: prompt lengths, e.g. 1024,4096,8192."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Tokens to decode per prompt."),
-    dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in, interleaved), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
+    dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in: the three interleaved), edit (a file asked back with one change), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
     num_prompts: int = typer.Option(12, "--num-prompts", help="Most prompts to run."),
     block_size: Optional[int] = BLOCK_SIZE,
+    draft_source: str = SOURCE,
     temperature: float = TEMP,
     repeats: int = typer.Option(1, "--repeats", help="Runs per prompt; the order of the two paths alternates."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
@@ -547,7 +558,7 @@ def bench(
     from . import bench as b
     from .loader import load
 
-    _check_options(block_size, max_tokens, window, sinks, temperature=temperature)
+    _check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
         raise DFlashError("--repeats and --num-prompts must be >= 1")
     if score and (dataset not in ("humaneval", "mbpp") or prompt_tokens):
@@ -594,7 +605,7 @@ def bench(
 
         try:
             b.measure(tgt, drafter, tokenizer, conversations, max_tokens=max_tokens, block_size=block_size,
-                      window=window, sinks=sinks, temperature=temperature, repeats=repeats, on_record=done)
+                      draft_source=draft_source, window=window, sinks=sinks, temperature=temperature, repeats=repeats, on_record=done)
         except KeyboardInterrupt:  # minutes of measurements are worth keeping
             interrupted = True
     if interrupted and not records:
@@ -603,6 +614,7 @@ def bench(
 
     settings = {"model": model, "target": target, "window": window, "sinks": sinks,
                 "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
+                "draft_source": draft_source,
                 "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset}
     report = b.report(settings, records, planned, interrupted)
     console = Console(highlight=False, soft_wrap=True)  # long lines wrap instead of being cut
@@ -776,6 +788,7 @@ def serve(
     port: int = typer.Option(8080, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require this key (Authorization: Bearer KEY, or x-api-key: KEY)."),
     block_size: Optional[int] = BLOCK_SIZE,
+    draft_source: str = SOURCE,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
     prefill_step_size: Optional[int] = PREFILL_STEP,
@@ -809,8 +822,8 @@ def serve(
     from .server import Engine
     from .server import serve as run
 
-    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, temperature=temperature, top_p=top_p,
-                   top_k=top_k, min_p=min_p)
+    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
+                   top_p=top_p, top_k=top_k, min_p=min_p)
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -828,7 +841,7 @@ def serve(
     if memory_cap is None and tgt.group is None:
         memory_cap = machine_description()["memory_bytes"] // 4
     engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                    prefill_step_size=prefill_step_size, defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens),
+                    draft_source=draft_source, prefill_step_size=prefill_step_size, defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens),
                     cache_entries=cache_entries, cache_bytes=memory_cap, cache_dir=directory,
                     cache_disk_bytes=disk_cap)
     if not distributed.is_main():  # rank 0 listens and hands each request over

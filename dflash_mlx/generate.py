@@ -7,9 +7,12 @@ work inside ``async_eval`` itself). The host reads the device once per cycle:
 the drafted and verified token ids, from which the accepted length follows.
 
 A cycle is a transaction on the ``DFlashCache``: the loop asks its policy how many
-tokens to draft, the drafter proposes them (``Drafter.propose``), the target
-verifies (``sampling.verify``), and the cycle ends in ``cache.commit``; if the
-caller leaves while a cycle is in flight, ``cache.abandon`` undoes it.
+tokens to draft and from where, the drafter proposes them (``Drafter.propose``) or
+the history does (a copy draft, ``Repeats.continuation``: no drafter pass), the
+target verifies (``sampling.verify``), and the cycle ends in ``cache.commit``; if
+the caller leaves while a cycle is in flight, ``cache.abandon`` undoes it. A cycle
+without a drafter pass (plain or copy) still commits its features to the drafter's
+pending context, so drafting resumes as if the drafter had run all along.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from .caches import DFlashCache, check_block_size, check_window, make_cache
 from .distributed import shared_seed
 from .drafter import Drafter
 from .errors import DFlashError
-from .policy import DraftPolicy, FixedBlock, adaptive_policy
-from .sampling import Proposal, Sampling, Scores, position_keys, sample_rows, scores, verify
+from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock, Plan, adaptive_policy, check_source
+from .sampling import Proposal, Sampling, Scores, copy_proposal, position_keys, sample_rows, scores, verify
 from .stops import StopStrings, stop_list
 from .target import Target
 
@@ -50,7 +53,7 @@ class GenerationResponse:
     text: str
     tokens: list[int]
     accepted: int  # drafted tokens the target agreed with in this cycle
-    drafted: list[int]  # what the drafter proposed this cycle (empty for the prefill token)
+    drafted: list[int]  # what was proposed this cycle (empty for the prefill token and plain steps)
     prompt_tokens: int
     prompt_cached: int  # prompt tokens reused from the cache, not prefilled
     prompt_tps: float  # prefilled tokens per second
@@ -62,6 +65,7 @@ class GenerationResponse:
     stop_sequence: Optional[str] = None  # the stop string that ended generation (not in the text)
     logprobs: Optional[list[float]] = None  # per token, with ``logprobs=``: log p under the target's distribution
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: (id, log p) of the most likely
+    source: str = DRAFTER  # where ``drafted`` came from: the drafter, or a copy of the history
 
 
 @dataclass
@@ -79,6 +83,7 @@ class GenerationResult:
     drafted: list[int] = field(default_factory=list)  # drafts proposed, per cycle
     stop_sequence: Optional[str] = None
     logprobs: Optional[list[float]] = None  # per token, when asked for
+    sources: list[str] = field(default_factory=list)  # per cycle: where its drafts came from
 
     @classmethod
     def from_responses(cls, responses: list[GenerationResponse], finish_reason: Optional[str] = None) -> GenerationResult:
@@ -90,7 +95,7 @@ class GenerationResult:
             prompt_cached=last.prompt_cached, prompt_tps=last.prompt_tps, generation_tokens=last.generation_tokens,
             generation_tps=last.generation_tps, peak_memory=last.peak_memory,
             acceptance=[r.accepted for r in cycles], drafted=[len(r.drafted) for r in cycles],
-            stop_sequence=last.stop_sequence,
+            sources=[r.source for r in cycles], stop_sequence=last.stop_sequence,
             logprobs=None if last.logprobs is None else [lp for r in responses for lp in r.logprobs or []],
         )
 
@@ -114,6 +119,16 @@ class GenerationResult:
         return _counts(self.acceptance)
 
     @property
+    def by_source(self) -> dict[str, dict[str, int]]:
+        """Per source: cycles that drafted from it, tokens drafted, tokens the target accepted."""
+        totals = {s: {"cycles": 0, "drafted": 0, "accepted": 0} for s in (DRAFTER, COPY)}
+        for source, drafted, accepted in zip(self.sources, self.drafted, self.acceptance):
+            if drafted:
+                t = totals[source]
+                t["cycles"], t["drafted"], t["accepted"] = t["cycles"] + 1, t["drafted"] + drafted, t["accepted"] + accepted
+        return totals
+
+    @property
     def depth_histogram(self) -> list[int]:
         """``depth_histogram[k]`` = number of cycles that drafted k tokens (0: a plain decoding step)."""
         return _counts(self.drafted)
@@ -135,6 +150,7 @@ class GenerationResult:
             "acceptance_histogram": self.histogram,
             "acceptance_rate": self.acceptance_rate,
             "depth_histogram": self.depth_histogram,
+            "sources": self.by_source,
         }
 
 
@@ -187,6 +203,7 @@ class _InFlight(NamedTuple):
     """A cycle the device is computing: the drafter's proposal and the target's verdict on it."""
 
     proposal: Optional[Proposal]
+    source: str  # of the proposal
     accept: Optional[mx.array]  # per drafted token: does the target agree
     target_tokens: mx.array  # per block position: the target's token if the cycle stops there
     features: mx.array  # the target's features of [last ; drafts], for the drafter's next context
@@ -195,9 +212,11 @@ class _InFlight(NamedTuple):
 
 def _start_cycle(
     target: Target, drafter: Drafter, cache: DFlashCache, sampling: Sampling, last: mx.array, n_draft: int,
-    key: Optional[mx.array], logprobs: Optional[int],
+    copied: list[int], key: Optional[mx.array], logprobs: Optional[int],
 ) -> _InFlight:
     """Build one cycle's graph (draft ``n_draft`` tokens, verify [last ; drafts]) and start evaluating it.
+
+    With ``copied`` (a copy draft) those are the drafts and the drafter does not run.
 
     With ``logprobs`` (alternatives per token) the verify's own logits also score the
     token each position emits: an accepted draft before the first rejection, the
@@ -206,18 +225,20 @@ def _start_cycle(
     k_draft = k_verify = row_keys = None
     if key is not None:
         k_draft, k_verify = mx.random.split(key)
+    if copied:
+        n_draft = len(copied)
     if sampling.positional:  # the block's positions follow the committed history and ``last``
         row_keys = position_keys(sampling.seed, len(cache.tokens) + 1, n_draft + 1)
     with mx.stream(generation_stream):
         proposal = None
-        if n_draft:
+        if copied:
+            proposal = copy_proposal(copied, sampling, target.vocab_size)
+        elif n_draft:
             proposal = cache.draft(drafter, target, last, n_draft, sampling, k_draft)
-            block = mx.concatenate([last, proposal.tokens])
-        else:
-            block = last
+        block = last if proposal is None else mx.concatenate([last, proposal.tokens])
         absorbed = []
-        if proposal is None and cache.pending >= CATCH_UP:  # decoding plainly: the drafter's context keeps
-            cache.absorb_context(drafter)  # up, computed now, so that the next probe does not pay for the run
+        if (copied or proposal is None) and cache.pending >= CATCH_UP:  # the drafter not running: its context
+            cache.absorb_context(drafter)  # keeps up, computed now, so that the next draft does not pay for the run
             absorbed = [c.state for c in cache.drafter]
         logits, features = target(block[None], cache.target)
         accept, target_tokens = verify(sampling, proposal, logits[0], k_verify, row_keys)
@@ -230,7 +251,7 @@ def _start_cycle(
             scored = scores(logits[0], emitted, logprobs)
     mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed,
                   [x for x in scored or () if x is not None])
-    return _InFlight(proposal, accept, target_tokens, features, scored)
+    return _InFlight(proposal, COPY if copied else DRAFTER, accept, target_tokens, features, scored)
 
 
 def _read(cycle: _InFlight) -> tuple[list[int], int, list[int]]:
@@ -283,6 +304,7 @@ class _Emitted(NamedTuple):
 
     tokens: list[int]
     drafted: list[int]
+    source: str
     accepted: int
     reason: Optional[str]
     cache_bytes: int
@@ -308,16 +330,19 @@ def _decode(
     """
     key = None if sampling.greedy else sampling.key()
 
-    def depth(emitted: int) -> int:
-        return max(0, min(policy.draft_length(cache.tokens), cache.block_size - 1, max_tokens - emitted - 1))
+    def choose(emitted: int) -> Plan:
+        plan, cap = policy.plan(cache.tokens), min(cache.block_size - 1, max_tokens - emitted - 1)
+        return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
 
-    def start(last: mx.array, n_draft: int) -> tuple[_InFlight, float]:
+    def start(last: mx.array, plan: Plan) -> tuple[_InFlight, float]:
         nonlocal key
         cycle_key = None
         if key is not None:
             key, cycle_key = mx.random.split(key)
         started = time.perf_counter()
-        return _start_cycle(target, drafter, cache, sampling, last, n_draft, cycle_key, logprobs), started
+        copied = policy.repeats.continuation(cache.tokens, last_id, plan.depth) if plan.source == COPY else []
+        n_draft = plan.fallback if plan.source == COPY else plan.depth  # no copy offered: the drafter's plan
+        return _start_cycle(target, drafter, cache, sampling, last, n_draft, copied, cycle_key, logprobs), started
 
     policy.start()
     try:
@@ -335,18 +360,18 @@ def _decode(
         last_id = last.item()
         tokens, reason = _cut([last_id], eos, max_tokens)
         lps, top = _read_scores(scored, len(tokens))
-        emitted, drafted, accepted = len(tokens), [], 0
+        emitted, drafted, source, accepted = len(tokens), [], DRAFTER, 0
         ahead, planned, read_at = None, None, time.perf_counter()
         while True:
             if reason is None:
-                (cycle, started), ahead = ahead or start(last, depth(emitted) if planned is None else planned), None
+                (cycle, started), ahead = ahead or start(last, choose(emitted) if planned is None else planned), None
                 planned, committed = None, cycle.proposal is None and emitted + 1 < max_tokens
                 if committed:  # a plain step: commit it now; when the next is plain too, start it now
                     cache.commit([last_id], cycle.features)
-                    planned = depth(emitted + 1)
-                    if planned == 0:
-                        ahead, planned = start(cycle.target_tokens, 0), None
-            yield _Emitted(tokens, drafted, accepted, reason, cache.nbytes, lps, top)  # the previous cycle's tokens
+                    planned = choose(emitted + 1)
+                    if planned == Plan(0):
+                        ahead, planned = start(cycle.target_tokens, planned), None
+            yield _Emitted(tokens, drafted, source, accepted, reason, cache.nbytes, lps, top)  # the previous cycle's
             if reason is not None:
                 return
             if not cache.holds_lease(lease):
@@ -360,7 +385,8 @@ def _decode(
             kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
             if not committed:
                 cache.commit([last_id] + drafted[:kept], cycle.features[:, : kept + 1])
-            policy.observe(len(drafted), accepted, seconds)
+            source = cycle.source
+            policy.observe(len(drafted), accepted, seconds, source)
             last, last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
     finally:
         if cache.holds_lease(lease):
@@ -399,6 +425,7 @@ def stream_generate(
     policy: Optional[DraftPolicy] = None,
     stop: Union[None, str, Sequence[str]] = None,
     logprobs: Optional[int] = None,
+    draft_source: str = "auto",
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
@@ -434,6 +461,13 @@ def stream_generate(
     sampling also drafts full blocks: its draw depends on the depths, and a seeded
     run must give the same tokens every time.
 
+    ``draft_source`` says where drafts come from: "auto" (the adaptive policy
+    chooses, cycle by cycle, between the drafter and a copy draft, the
+    continuation of an earlier occurrence of the history's end, which costs no
+    drafter pass), "drafter", or "copy" (copy drafts of the block size only, a
+    plain step where the history offers none). Every source is verified alike:
+    the output is the same.
+
     ``window`` bounds memory for long contexts: full-attention layers and the
     drafter's context keep ``sinks`` first positions plus the last ``window``.
     The prompt is prefilled ``prefill_step_size`` tokens at a time, reporting
@@ -468,9 +502,15 @@ def stream_generate(
             f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
             f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
         )
+    check_source(draft_source)
     if policy is None:  # seeded rejection sampling drafts full blocks: adaptive depths would change its draw
         reproducible = seed is not None and not sampling.greedy and not sampling.positional
-        policy = FixedBlock(block_size) if pinned or reproducible else adaptive_policy(target, drafter, window, block_size)
+        if draft_source == COPY:
+            policy = FixedBlock(block_size, COPY)
+        elif pinned or reproducible:
+            policy = FixedBlock(block_size)
+        else:
+            policy = adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto")
     if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
@@ -501,6 +541,7 @@ def stream_generate(
                 tokens=tokens,
                 accepted=cycle.accepted,
                 drafted=cycle.drafted,
+                source=cycle.source,
                 prompt_tokens=len(ids),
                 prompt_cached=reused,
                 prompt_tps=prompt_tps,

@@ -5,11 +5,15 @@ after: how many tokens were drafted, how many the target accepted, and how long
 the cycle took. Any depth is lossless (verification keeps only what the target
 agrees with); the policy only decides speed. 0 means a plain decoding step.
 
+Each plan also names its source: the drafter's block, or a copy draft (what
+followed an earlier occurrence of the history's end, ``Repeats.continuation``),
+which costs only its verify.
+
 ``FixedBlock`` always fills the block (``--block-size N``). ``AdaptiveDepth``
-(the default) picks the depth that maximises expected tokens per second from two
-live estimates: the acceptance of each draft position (apart for text that
-repeats and text that does not), and the cost of a cycle as a function of its
-depth, both measured from the cycles as they run.
+(the default) picks the source and depth that maximise expected tokens per second
+from two live estimates: the acceptance of each draft position, per source (apart
+for text that repeats and text that does not), and the cost of a cycle as a
+function of its depth, both measured from the cycles as they run.
 """
 
 from __future__ import annotations
@@ -17,40 +21,73 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 
 from .distributed import from_main
+from .errors import DFlashError
+from .repeats import Repeats
+
+DRAFTER, COPY = "drafter", "copy"
+SOURCES = ("auto", DRAFTER, COPY)  # what ``--draft-source`` takes: auto lets the adaptive policy choose
+
+
+class Plan(NamedTuple):
+    """The next cycle: draft ``depth`` tokens (0: a plain step) from ``source``.
+
+    A copy is planned before the cycle's first token is known; where the history
+    then offers none, the cycle drafts ``fallback`` tokens from the drafter instead.
+    """
+
+    depth: int
+    source: str = DRAFTER
+    fallback: int = 0
 
 
 class DraftPolicy(Protocol):
+    repeats: Repeats  # the history's index, which copy drafts come from
+
     def start(self) -> None:
         """A generation begins: a new prompt, whose acceptance may differ from the last one's."""
         ...
 
-    def draft_length(self, history: Sequence[int]) -> int:
-        """Tokens to draft in the next cycle, given the tokens the caches hold (the loop caps it)."""
+    def plan(self, history: Sequence[int]) -> Plan:
+        """The next cycle, given the tokens the caches hold (the loop caps its depth)."""
         ...
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A verified cycle: ``accepted`` of ``drafted`` tokens agreed with the target; it took ``seconds``."""
+    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+        """A verified cycle: ``accepted`` of ``drafted`` tokens agreed with the target; it took ``seconds``.
+
+        ``source`` is where the drafts came from (a planned copy found nowhere ran its drafter fallback).
+        """
         ...
+
+
+def check_source(source: str) -> str:
+    if source not in SOURCES:
+        raise DFlashError(f"draft source must be one of {', '.join(SOURCES)}, got {source!r}")
+    return source
 
 
 @dataclass
 class FixedBlock:
-    """Always fill the block: ``block_size - 1`` drafted tokens after the last verified one."""
+    """Always fill the block: ``block_size - 1`` tokens after the last verified one, from one source.
+
+    Copying, a cycle where the history offers no copy is a plain step (prompt-lookup decoding).
+    """
 
     block_size: int
+    source: str = DRAFTER
+    repeats: Repeats = field(default_factory=Repeats)
 
     def start(self) -> None:
-        pass
+        self.repeats.reset()
 
-    def draft_length(self, history: Sequence[int]) -> int:
-        return self.block_size - 1
+    def plan(self, history: Sequence[int]) -> Plan:
+        return Plan(self.block_size - 1, self.source)
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         pass
 
 
@@ -115,119 +152,89 @@ class Acceptance:
 
 
 @dataclass
-class Repeats:
-    """How long a suffix of the history also occurred earlier in it, kept up as the history grows.
+class Line:
+    """Overhead of a kind of cycle over a plain step, in plain steps, as a line in its depth: fixed + k * per_token.
 
-    Drafters follow text that repeats itself (a reply fallen into a loop, a line of
-    code written again, a name from the prompt) far better than new text. Measured
-    on the CPU pair of ``bench/build_pair.py``, a one-token draft was accepted
-    26-38% of the time where the last three tokens had not occurred before, and
-    84-94% where the last twelve had, in code and chat alike. The policy keeps its
-    acceptance apart for each ``bucket`` of this length, so it can draft
-    where the text repeats and decode plainly where it does not, without waiting
-    for a probe to notice the change. Each new token costs a dict lookup; a new
-    generation indexes the last ``horizon`` tokens of its history once, and a long
-    one again every ``3 * horizon`` tokens, which bounds the index.
+    Each depth keeps its own decaying mean of what its cycles took beyond the plain
+    estimate; the line goes through those means, each weighted by how often its depth
+    was seen (at most ``1 / (1 - decay)``). Per depth, because a long run at one depth
+    (a reply's loop at full blocks) measures only one point of the line: fitted to the
+    cycles as they come, the line would drift with the noise along the direction that
+    depth cannot see, until a one-token probe looked three plain steps dear.
     """
 
-    n: int = 3  # the shortest repeat that counts
-    long: int = 12  # from here on a repeat is a bucket of its own (and the length stops growing)
-    horizon: int = 4096
-    _ends: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)  # n-gram -> index past its latest
-    _first: int = 0  # the first token indexed
-    _seen: int = 0  # tokens of the history indexed
-    _length: int = 0
-    _next: int = 0  # where the earlier occurrence of the repeating suffix continues
-
-    def reset(self) -> None:
-        self._ends, self._seen, self._length = {}, 0, 0
-
-    def length(self, history: Sequence[int]) -> int:
-        """Length (``n`` .. ``long``) of the suffix of ``history`` seen earlier in it; 0 if none is."""
-        if len(history) < self._seen or len(history) - self._first > 4 * self.horizon:  # another history, or
-            self.reset()  # a long generation: indexed afresh over the last ``horizon`` tokens
-        if self._seen == 0:
-            self._first = self._seen = max(0, len(history) - self.horizon)
-        for i in range(max(self._seen, self._first + self.n - 1), len(history)):
-            key = tuple(history[i - self.n + 1 : i + 1])
-            if self._length and history[self._next] == history[i]:  # the repeat goes on
-                self._length, self._next = min(self._length + 1, self.long), self._next + 1
-            else:
-                end = self._ends.get(key)
-                self._length, self._next = (0, 0) if end is None else (self.n, end)
-            self._ends[key] = i + 1
-        self._seen = len(history)
-        return self._length
-
-    def bucket(self, history: Sequence[int]) -> int:
-        """0: the end of the history is new; 1: it repeats a short stretch; 2: a long one."""
-        length = self.length(history)
-        return 0 if length < self.n else 1 if length < self.long else 2
-
-
-@dataclass
-class CycleCosts:
-    """Seconds of a cycle drafting k tokens: t(k) = plain * (1 + [k > 0] * (drafter + k * per_token)).
-
-    ``plain`` is a decaying mean of the plain steps. Each drafted depth keeps its own
-    decaying mean of what its cycles took beyond the plain estimate, relative to it;
-    the drafting overhead (``drafter``, ``per_token``, in plain steps) is the line
-    through those means, each weighted by how often its depth was seen (at most
-    ``1 / (1 - decay)``). Relative, because whatever slows the machine down
-    (another process, heat, a longer context) slows both kinds of cycle: measured
-    apart in seconds, the kind measured last would look dear. Per depth, because a
-    long run at one depth (a reply's loop at full blocks) measures only one point
-    of the line: fitted to the cycles as they come, the line would drift with the
-    noise along the direction that depth cannot see, until a one-token probe looked
-    three plain steps dear. This runs every cycle, the plain step of a small model
-    included, so it is arithmetic on floats rather than array calls.
-    """
-
-    max_depth: int = 15
     decay: float = 0.95
-    plain: Optional[float] = None
-    extra: Optional[tuple[float, float]] = None  # (drafter, per_token), in plain steps
-    _plain_weight: float = 0.0
+    fit: Optional[tuple[float, float]] = None  # (fixed, per_token), once a depth has been seen
     _means: dict[int, list[float]] = field(default_factory=dict)  # depth -> [weight, mean overhead]
-    _early: list[tuple[int, float]] = field(default_factory=list)  # drafting cycles seen before any plain one
-    depths_seen: set[int] = field(default_factory=set)
 
-    def update(self, k: int, seconds: float) -> None:
-        if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
-            seconds = min(seconds, 4 * self.predict(k))
-        self.depths_seen.add(k)
-        if k == 0:
-            self._plain_weight = self.decay * self._plain_weight + 1
-            self.plain = seconds if self.plain is None else self.plain + (seconds - self.plain) / self._plain_weight
-            early, self._early = self._early, []
-            for depth, took in early:
-                self._fit(depth, took / self.plain - 1)
-        elif self.plain is None:
-            self._early.append((k, seconds))
-        else:
-            self._fit(k, seconds / self.plain - 1)
-
-    def _fit(self, k: int, y: float) -> None:
+    def add(self, k: int, y: float) -> None:
         mean = self._means.setdefault(k, [0.0, 0.0])
         mean[0] = min(self.decay * mean[0] + 1, 1 / (1 - self.decay))
         mean[1] += (y - mean[1]) / mean[0]
-        if len(self._means) < min(2, self.max_depth):
-            return
         w = sum(n for n, _ in self._means.values())
         wk = sum(n * d for d, (n, _) in self._means.items())
         wkk = sum(n * d * d for d, (n, _) in self._means.items())
         wy = sum(n * m for n, m in self._means.values())
         wky = sum(n * d * m for d, (n, m) in self._means.items())
         det = w * wkk - wk * wk
-        if det <= 1e-12 * w * wkk:  # one depth only (a block of 2): its mean is all there is
-            self.extra = (max(wy / w, 0.0), 0.0)
+        if det <= 1e-12 * w * wkk:  # one depth only: its mean is all there is
+            self.fit = (max(wy / w, 0.0), 0.0)
             return
-        drafter, per_token = (wkk * wy - wk * wky) / det, (w * wky - wk * wy) / det
+        fixed, per_token = (wkk * wy - wk * wky) / det, (w * wky - wk * wy) / det
         if per_token < 0:  # the best fit with the negative parameter held at zero, not a clipped one
-            drafter, per_token = max(wy / w, 0.0), 0.0
-        elif drafter < 0:
-            drafter, per_token = 0.0, max(wky / wkk, 0.0)
-        self.extra = (drafter, per_token)
+            fixed, per_token = max(wy / w, 0.0), 0.0
+        elif fixed < 0:
+            fixed, per_token = 0.0, max(wky / wkk, 0.0)
+        self.fit = (fixed, per_token)
+
+    @property
+    def depths(self) -> int:
+        return len(self._means)
+
+
+@dataclass
+class CycleCosts:
+    """Seconds of a cycle drafting k tokens: t(k) = plain * (1 + [k > 0] * (drafter + k * per_token)).
+
+    ``plain`` is a decaying mean of the plain steps; the drafting overhead (``drafter``,
+    ``per_token``, in plain steps) a ``Line``. Relative, because whatever slows the
+    machine down (another process, heat, a longer context) slows both kinds of cycle:
+    measured apart in seconds, the kind measured last would look dear. This runs every
+    cycle, the plain step of a small model included, so it is arithmetic on floats
+    rather than array calls.
+
+    A copy cycle runs no drafter: its overhead is a line of its own, measured from
+    the copy cycles alone, and free until one is seen, so that copies are tried: a
+    copy costs only its verify, and the first measures what it costs here.
+    """
+
+    max_depth: int = 15
+    decay: float = 0.95
+    plain: Optional[float] = None
+    drafting: Line = field(init=False)
+    copying: Line = field(init=False)
+    _plain_weight: float = 0.0
+    _early: list[tuple[int, float, bool]] = field(default_factory=list)  # cycles seen before any plain one
+    depths_seen: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.drafting, self.copying = Line(self.decay), Line(self.decay)
+
+    def update(self, k: int, seconds: float, copy: bool = False) -> None:
+        if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
+            seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
+        if not copy:
+            self.depths_seen.add(k)
+        if k == 0:
+            self._plain_weight = self.decay * self._plain_weight + 1
+            self.plain = seconds if self.plain is None else self.plain + (seconds - self.plain) / self._plain_weight
+            early, self._early = self._early, []
+            for depth, took, copied in early:
+                (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
+        elif self.plain is None:
+            self._early.append((k, seconds, copy))
+        else:
+            (self.copying if copy else self.drafting).add(k, seconds / self.plain - 1)
 
     def missing(self) -> list[int]:
         """Depths to measure before the model is determined: plain and two drafting depths."""
@@ -238,21 +245,26 @@ class CycleCosts:
 
     @property
     def ready(self) -> bool:
-        return self.plain is not None and self.extra is not None
+        return self.plain is not None and self.drafting.depths >= min(2, self.max_depth)
 
     @property
     def theta(self) -> Optional[list[float]]:
-        """(plain, drafter, per_token) in seconds at the current plain step, once measured."""
-        return [self.plain, self.plain * self.extra[0], self.plain * self.extra[1]] if self.ready else None
+        """(plain, drafter, per_token, copy fixed, copy per_token) in seconds at the current plain step, once measured."""
+        if not self.ready:
+            return None
+        return [self.plain * x for x in (1.0, *self.drafting.fit, *(self.copying.fit or (0.0, 0.0)))]
 
     def predict(self, k: int) -> float:
         """Predicted seconds of a cycle drafting k."""
-        assert self.plain is not None and self.extra is not None
-        return max(self.plain * (1 + (self.extra[0] + self.extra[1] * k if k else 0.0)), 1e-9)
+        assert self.ready
+        fixed, per_token = self.drafting.fit
+        return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
 
-    def predict_all(self) -> list[float]:
-        """Predicted seconds of a cycle drafting k, for k = 0..max_depth."""
-        return [self.predict(k) for k in range(self.max_depth + 1)]
+    def predict_copy(self, k: int) -> float:
+        """Predicted seconds of a cycle copying k."""
+        assert self.ready
+        fixed, per_token = self.copying.fit or (0.0, 0.0)
+        return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
 
 
 @dataclass
@@ -303,14 +315,22 @@ class AdaptiveDepth:
     CPU pair's chat set: from 0.86-0.97 of a full block's speed to 1.07-1.24 in three
     runs of four; on its code set plain decoding stays the best path).
 
-    Decisions read the cost model through ``seconds``, its predictions, refreshed
-    after every cycle. The ranks of a sharded target (``distributed``) see the same
+    Copy drafts (``copies``) are a second source with acceptances of their own, per
+    bucket, of the copies the history offered. A cycle plans a copy where a copy's
+    expected tokens per second beat the drafter's best and plain decoding, with what
+    the drafter would have done as its fallback: where the history offers no copy
+    (which the decode loop learns only once the cycle's first token is known), the
+    cycle runs that instead, so planning a copy never costs the drafter's cycle.
+
+    Decisions read the cost model through ``seconds`` and ``copy_seconds``, its
+    predictions, refreshed after every cycle. The ranks of a sharded target (``distributed``) see the same
     tokens but time their cycles apart, and must all draft the same depth: there
     ``agree`` gives every rank rank 0's (plain, drafter, per-token) seconds, which
     replace the predictions every ``agree_every`` cycles and nowhere else.
     """
 
     max_depth: int
+    copies: bool = True
     probe_budget: float = 0.005
     min_probe: int = 8
     max_probe: int = 1024
@@ -322,8 +342,10 @@ class AdaptiveDepth:
     agree_every: int = 32
     repeats: Repeats = field(default_factory=Repeats)
     by_repeat: list[Acceptance] = field(init=False)  # one per ``Repeats.bucket``
+    copy_by_repeat: list[Acceptance] = field(init=False)  # the same, of copy drafts
     costs: CycleCosts = field(init=False)
     seconds: Optional[list[float]] = None  # predicted seconds of a cycle drafting k = 0..max_depth
+    copy_seconds: Optional[list[float]] = None  # predicted seconds of a cycle copying k = 0..max_depth
     _plain_run: int = 0
     _found: float = 0.0  # decaying sum of the gains g of the drafting runs probes started
     _waited: float = 200.0  # decaying count of plain cycles (a prior: none found in two hundred)
@@ -338,6 +360,7 @@ class AdaptiveDepth:
 
     def __post_init__(self) -> None:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
+        self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.costs = CycleCosts(self.max_depth)
 
     @property
@@ -350,18 +373,26 @@ class AdaptiveDepth:
         assert self.seconds is not None
         return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.seconds)]
 
+    def _copy_rates(self) -> list[float]:
+        """Expected tokens per second of a cycle copying k = 0..max_depth."""
+        assert self.copy_seconds is not None
+        return [e / t for e, t in zip(self.copy_by_repeat[self._bucket].expected_tokens(), self.copy_seconds)]
+
     def _refresh(self) -> None:
         """The predictions the next decisions use (every rank's the same, with ``agree``)."""
         if not self.costs.ready:
             return
-        if self.agree is None:
-            self.seconds = self.costs.predict_all()
-            return
-        self._since_agreed += 1
-        if self.seconds is None or self._since_agreed >= self.agree_every:
-            plain, drafter, per_token = self.agree(self.costs.theta)
-            self.seconds = [plain] + [max(plain + drafter + k * per_token, 1e-9) for k in range(1, self.max_depth + 1)]
+        if self.agree is not None:
+            self._since_agreed += 1
+            if self.seconds is not None and self._since_agreed < self.agree_every:
+                return
             self._since_agreed = 0
+            plain, drafter, per_token, copy_fixed, copy_per_token = self.agree(self.costs.theta)
+        else:
+            plain, drafter, per_token, copy_fixed, copy_per_token = self.costs.theta
+        depths = range(1, self.max_depth + 1)
+        self.seconds = [plain] + [max(plain + drafter + k * per_token, 1e-9) for k in depths]
+        self.copy_seconds = [plain] + [max(plain + copy_fixed + k * copy_per_token, 1e-9) for k in depths]
 
     @staticmethod
     def _argmax(values: list[float]) -> int:
@@ -387,13 +418,23 @@ class AdaptiveDepth:
         best = (2 * loss / found) ** 0.5 if found > 0 else budgeted
         return int(min(max(min(best, budgeted), self.min_probe), self.max_probe))
 
-    def draft_length(self, history: Sequence[int]) -> int:
+    def plan(self, history: Sequence[int]) -> Plan:
         if self.max_depth == 0:
-            return 0
+            return Plan(0)
         self._bucket = self.repeats.bucket(history)
         if self.seconds is None:  # warm-up: a full block, a plain step, one token
-            return self.costs.missing()[0]
+            return Plan(self.costs.missing()[0])
         rates = self._rates()
+        planned = self._plan_drafter(rates)
+        if self.copies:
+            copying = self._copy_rates()
+            c = self._argmax(copying)
+            if c > 0 and copying[c] > max(rates):
+                return Plan(c, COPY, planned)
+        return Plan(planned)
+
+    def _plan_drafter(self, rates: list[float]) -> int:
+        """The drafter's depth: the best, or plain steps with a probe when one is due."""
         k = self._argmax(rates)
         if k > 0:
             self._plain_run = 0
@@ -417,7 +458,12 @@ class AdaptiveDepth:
         self._new_prompt = self._paid >= self.min_paid * self._prompts
         self.repeats.reset()
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+        if source == COPY:
+            self.copy_by_repeat[self._bucket].update(drafted, accepted)
+            self.costs.update(drafted, seconds, copy=True)
+            self._refresh()
+            return
         probing = drafted > 0 and self.seconds is not None and self.best() == 0
         self._follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
         if drafted:
@@ -449,7 +495,8 @@ class AdaptiveDepth:
 _shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()
 
 
-def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size: int) -> AdaptiveDepth:
+def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size: int, copies: bool = True
+                    ) -> AdaptiveDepth:
     """The adaptive policy of this loaded pair and settings, shared by its generations in this process.
 
     What it measured (this machine's cycle costs for this model, the recent
@@ -457,9 +504,9 @@ def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size
     loaded model, measures afresh. A sharded target's ranks agree on rank 0's costs.
     """
     per_target = _shared.setdefault(target, {})
-    key = (id(drafter), window, block_size)
+    key = (id(drafter), window, block_size, copies)
     if key not in per_target:
         group = getattr(target, "group", None)
         agree = None if group is None else functools.partial(from_main, g=group)
-        per_target[key] = AdaptiveDepth(block_size - 1, agree=agree)
+        per_target[key] = AdaptiveDepth(block_size - 1, copies=copies, agree=agree)
     return per_target[key]

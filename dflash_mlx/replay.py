@@ -5,10 +5,14 @@ by timing them. A trace (``traces.py``) records, at every position of the target
 output, how many tokens a draft of each depth would have had accepted; a cost profile
 gives the seconds of a cycle drafting k tokens at a context length. ``simulate`` then
 runs any ``DraftPolicy`` over the traces exactly as the decode loop would (same caps,
-same calls, the profile's seconds as its timings), and ``oracle`` finds the best depth
-schedule in hindsight by dynamic programming over positions: the ceiling that no
-policy deciding from the past can pass. Same trace, same policy, same profile: same
-result, in seconds.
+same calls, the profile's seconds as its timings), and ``oracle`` finds the best
+schedule of sources and depths in hindsight by dynamic programming over positions:
+the ceiling that no policy deciding from the past can pass. Same trace, same policy,
+same profile: same result, in seconds.
+
+Copy drafts need no recording: what the history offers at each position follows from
+the prompt and the output (``Repeats.continuation``, as the decode loop asks it), so
+every trace, old ones included, carries them.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .policy import DraftPolicy, FixedBlock
+from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock
+from .repeats import Repeats
 
 
 @dataclass
@@ -39,6 +44,18 @@ class Trace:
     output: list[int]
     drafts: np.ndarray  # [len(output) - 1, B, B - 1] int, -1 padded
     accepted: np.ndarray  # [len(output) - 1, B] int
+    copied: np.ndarray = field(init=False)  # [len(output) - 1]: the copy draft's agreeing prefix; -1: none offered
+
+    def __post_init__(self) -> None:
+        n, B = len(self.output), self.accepted.shape[1]
+        index, history = Repeats(), list(self.prompt)
+        self.copied = np.full(max(n - 1, 0), -1, dtype=np.int64)
+        for p in range(n - 1):
+            copy = index.continuation(history, self.output[p], B - 1)
+            if copy:
+                agree = [c == t for c, t in zip(copy, self.output[p + 1 :])]
+                self.copied[p] = next((i for i, ok in enumerate(agree) if not ok), len(agree))
+            history.append(self.output[p])
 
     @property
     def max_depth(self) -> int:
@@ -51,6 +68,10 @@ class Trace:
 
     def accepted_at(self, p: int, k: int, full: bool = False) -> int:
         return min(k, int(self.accepted[p, -1])) if full else int(self.accepted[p, k])
+
+    def copy_at(self, p: int, k: int) -> Optional[int]:
+        """Accepted tokens of a copy of k at position p; None where the history offers no copy."""
+        return None if self.copied[p] < 0 else min(k, int(self.copied[p]))
 
 
 @dataclass
@@ -83,6 +104,15 @@ class CostProfile:
         if key not in self._memo:
             self._memo[key] = self._at([row[k] for row in self.cycle], context)
         return self._memo[key]
+
+    def copy_seconds(self, k: int, context: int) -> float:
+        """A cycle copying k: the plain step plus the verify's per-token cost (the drafting cycles' slope
+        from 1 to the deepest), without the drafter's share (their intercept)."""
+        if k == 0:
+            return self.seconds(0, context)
+        top = len(self.cycle[0]) - 1
+        slope = (self.seconds(top, context) - self.seconds(1, context)) / (top - 1) if top > 1 else 0.0
+        return self.seconds(0, context) + max(slope, 0.0) * k
 
     def plain_seconds(self, context: int) -> float:
         return self._at(self.plain, context)
@@ -133,6 +163,7 @@ class Replay:
     seconds: float = 0.0
     plain_seconds: float = 0.0
     depths: list[int] = field(default_factory=list)  # cycles per drafted depth
+    copies: int = 0  # cycles that verified a copy draft
 
     @property
     def tokens_per_second(self) -> float:
@@ -147,6 +178,7 @@ class Replay:
         self.tokens += other.tokens
         self.seconds += other.seconds
         self.plain_seconds += other.plain_seconds
+        self.copies += other.copies
         for k, n in enumerate(other.depths):
             self.depths += [0] * (k + 1 - len(self.depths))
             self.depths[k] += n
@@ -159,9 +191,10 @@ def _plain_seconds(trace: Trace, profile: CostProfile) -> float:
 def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> Replay:
     """Run ``policy`` over ``traces`` in order, as one process serving them one after another.
 
-    As the decode loop: ``start`` per prompt, ``draft_length`` given the committed tokens
-    (the prompt and the output before the last emitted token), capped by the block and the
-    budget, then ``observe`` with the profile's seconds at the current context length.
+    As the decode loop: ``start`` per prompt, ``plan`` given the committed tokens (the
+    prompt and the output before the last emitted token), its depth capped by the block
+    and the budget, then ``observe`` with the profile's seconds at the current context
+    length. A copy planned where the history offers none runs the plan's fallback.
     """
     total = Replay()
     for trace in traces:
@@ -171,10 +204,16 @@ def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile,
         history = list(trace.prompt)
         p = 0  # output[p] is emitted; the target has not consumed it yet
         while p < n - 1:
-            k = max(0, min(policy.draft_length(history), B, n - p - 2))
-            a = trace.accepted_at(p, k, full)
-            seconds = profile.seconds(k, len(history) + 1)
-            policy.observe(k, a, seconds)
+            plan = policy.plan(history)
+            k = max(0, min(plan.depth, B, n - p - 2))
+            copied = trace.copy_at(p, k) if plan.source == COPY and k else None
+            if copied is not None:
+                a, seconds, source = copied, profile.copy_seconds(k, len(history) + 1), COPY
+                got.copies += 1
+            else:  # the drafter's plan, or its fallback where no copy is offered
+                k = k if plan.source != COPY else max(0, min(plan.fallback, B, n - p - 2))
+                a, seconds, source = trace.accepted_at(p, k, full), profile.seconds(k, len(history) + 1), DRAFTER
+            policy.observe(k, a, seconds, source)
             got.seconds += seconds
             got.depths[k] += 1
             history.extend(trace.output[p : p + a + 1])
@@ -183,44 +222,52 @@ def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile,
     return total
 
 
-def oracle(trace: Trace, profile: CostProfile, full: bool = False) -> float:
-    """The least seconds any depth schedule takes over ``trace``: best[p] = min_k t(k) + best[p + a_k(p) + 1]."""
+def oracle(trace: Trace, profile: CostProfile, full: bool = False, copies: bool = True) -> float:
+    """The least seconds any schedule takes over ``trace``: best[p] = min over the drafter's depths k of
+    t(k) + best[p + a_k(p) + 1], and, where the history offers a copy (``copies``), over copies of k too."""
     n, B = len(trace.output), trace.max_depth
     best = [0.0] * n
     for p in range(n - 2, -1, -1):
         context = len(trace.prompt) + p + 1
-        best[p] = min(profile.seconds(k, context) + best[p + trace.accepted_at(p, k, full) + 1]
-                      for k in range(min(B, n - p - 2) + 1))
+        depths = range(min(B, n - p - 2) + 1)
+        best[p] = min(profile.seconds(k, context) + best[p + trace.accepted_at(p, k, full) + 1] for k in depths)
+        if copies and trace.copied[p] >= 0:
+            best[p] = min([best[p]] + [profile.copy_seconds(k, context) + best[p + trace.copy_at(p, k) + 1]
+                                       for k in depths[1:]])
     return best[0] if n > 1 else 0.0
 
 
-def oracle_replay(traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> Replay:
+def oracle_replay(traces: Sequence[Trace], profile: CostProfile, full: bool = False, copies: bool = True) -> Replay:
     total = Replay()
     for trace in traces:
-        total.add(Replay(tokens=len(trace.output) - 1, seconds=oracle(trace, profile, full),
+        total.add(Replay(tokens=len(trace.output) - 1, seconds=oracle(trace, profile, full, copies),
                          plain_seconds=_plain_seconds(trace, profile)))
     return total
 
 
-def best_fixed(traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> tuple[int, Replay]:
+def best_fixed(traces: Sequence[Trace], profile: CostProfile, full: bool = False,
+               source: str = DRAFTER) -> tuple[int, Replay]:
     """The fixed depth (0 = plain steps of the decode loop) that was fastest over all ``traces``, in hindsight."""
     B = traces[0].max_depth
-    runs = [(k, simulate(FixedBlock(k + 1), traces, profile, full)) for k in range(B + 1)]
+    runs = [(k, simulate(FixedBlock(k + 1, source), traces, profile, full)) for k in range(B + 1)]
     return max(runs, key=lambda run: run[1].tokens_per_second)
 
 
 def judge(make_policy: Callable[[int], DraftPolicy], traces: Sequence[Trace], profile: CostProfile,
           full: bool = False) -> dict:
-    """The policy against plain decoding, the best fixed depth in hindsight and the oracle."""
+    """The policy against plain decoding, the best fixed drafter depth and the best fixed copy depth in
+    hindsight, and the oracle (drafter and copies)."""
     B = traces[0].max_depth
     policy = simulate(make_policy(B), traces, profile, full)
     k, fixed = best_fixed(traces, profile, full)
+    c, copying = best_fixed(traces, profile, full, COPY)
     ceiling = oracle_replay(traces, profile, full)
     return {"profile": profile.name, "policy_vs_plain": policy.vs_plain, "best_fixed_depth": k,
-            "best_fixed_vs_plain": fixed.vs_plain, "oracle_vs_plain": ceiling.vs_plain,
+            "best_fixed_vs_plain": fixed.vs_plain, "best_copy_depth": c, "best_copy_vs_plain": copying.vs_plain,
+            "oracle_vs_plain": ceiling.vs_plain,
             "policy_of_best_fixed": policy.tokens_per_second / fixed.tokens_per_second,
             "policy_of_oracle": policy.tokens_per_second / ceiling.tokens_per_second,
-            "depths": policy.depths}
+            "depths": policy.depths, "copies": policy.copies}
 
 
 def mean_acceptance(traces: Sequence[Trace], full: bool = False) -> list[float]:

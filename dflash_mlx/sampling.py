@@ -104,6 +104,20 @@ class Proposal(NamedTuple):
     logprobs: Optional[mx.array] = None
 
 
+def copy_proposal(tokens: list[int], sampling: Sampling, vocab: int) -> Proposal:
+    """A copy draft as a proposal: a point mass on each copied token.
+
+    Rejection sampling then keeps a token x with probability p(x) and otherwise
+    draws from p with x removed (the residual of a point mass): exact, as for any
+    proposal. Only that verification reads the distribution.
+    """
+    ids = mx.array(tokens)
+    if sampling.greedy or sampling.positional or sampling.mode != "rejection":
+        return Proposal(ids)
+    point = mx.arange(vocab)[None, :] == ids[:, None]
+    return Proposal(ids, mx.where(point, 0.0, -mx.inf))
+
+
 class Scores(NamedTuple):
     """Log-probabilities of a block's tokens and of each row's most likely tokens, as plain decoding reports them."""
 

@@ -131,7 +131,7 @@ def selftest(
     tokenizer: Any,
     *,
     max_tokens: int = 128,
-    sets: tuple[str, ...] = bench.BUILTIN_SETS,
+    sets: tuple[str, ...] = bench.MIXED_SETS,
     on_prompt: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> SelftestResult:
     """Plain and DFlash greedy decoding of the first built-in prompt of each of ``sets``, compared.

@@ -72,7 +72,7 @@ class Metrics:
         self.prompt = counter("prompt_tokens", "Prompt tokens of the requests run")
         self.cached = counter("cached_prompt_tokens", "Prompt tokens reused from the cache, not prefilled")
         self.generated = counter("generated_tokens", "Tokens generated")
-        self.drafted = counter("drafted_tokens", "Tokens the drafter proposed")
+        self.drafted = counter("drafted_tokens", "Tokens proposed (by the drafter or copied from the context)")
         self.accepted = counter("accepted_tokens", "Drafted tokens the target accepted")
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from the start of a request's "
                               "generation to its first token", registry=self.registry,
@@ -108,9 +108,10 @@ class Engine:
     def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
                  sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
                  defaults: Defaults = Defaults(), cache_entries: int = 10, cache_bytes: Optional[int] = None,
-                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None):
+                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None, draft_source: str = "auto"):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
-        self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size)
+        self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size,
+                            draft_source=draft_source)
         self.defaults = defaults
         cache = make_cache(target, drafter, window, sinks, block_size)
         if target.group is not None and (cache_dir is not None or cache_bytes is not None):
@@ -222,7 +223,8 @@ class Engine:
         job.report("done", {
             "finish_reason": run.finish_reason, "stop_sequence": run.stop_sequence,
             "prompt_tokens": run.prompt_tokens, "cached_tokens": run.prompt_cached, "completion_tokens": len(run.tokens),
-            "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate},
+            "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate,
+                       "sources": run.by_source},
             "decode_tps": run.generation_tps,
         })
 

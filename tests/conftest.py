@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
 from pathlib import Path
 
@@ -54,16 +55,24 @@ def pairs(models_dir) -> dict:
 
 
 @pytest.fixture(scope="session")
-def looping(tmp_path_factory):
+def looping_dir(tmp_path_factory):
+    """A folder with a target that falls into greedy loops (target/) and a random drafter for it (random/)."""
+    root = tmp_path_factory.mktemp("looping")
+    config = fixtures.target_config("qwen3")
+    fixtures.write_target(root / "target", config, seed=0, init_scale=1.0)
+    fixtures.write_drafter(root / "random", fixtures.drafter_config(config))
+    return root
+
+
+@pytest.fixture(scope="session")
+def looping(looping_dir):
     """A target that falls into greedy loops, and a drafter that drafts its loop token.
 
     This gives long accepted runs (tau well above 1), so stop conditions are hit in
     the middle of accepted blocks.
     """
-    root = tmp_path_factory.mktemp("looping")
-    config = fixtures.target_config("qwen3")
-    fixtures.write_target(root / "target", config, seed=0, init_scale=1.0)
-    fixtures.write_drafter(root / "random", fixtures.drafter_config(config))
+    root = looping_dir
+    config = json.loads((root / "target" / "config.json").read_text())
     target, _, tokenizer = load(str(root / "random"), str(root / "target"))
     ids = tokenizer.encode("hello world")
     ref = plain_greedy(target.model, ids, MAX_TOKENS)

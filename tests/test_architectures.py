@@ -10,7 +10,7 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, fixtures, generate, load
+from dflash_mlx import DFlashError, fixtures, generate, load, make_cache
 from dflash_mlx.caches import RecurrentCache, trim_to
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -27,7 +27,8 @@ ARCHS = {
 
 @pytest.fixture(scope="module")
 def arch_pairs(tmp_path_factory) -> dict:
-    """Per architecture: a varied target with a random drafter, and a looping target with a drafter of its loop token."""
+    """Per architecture: a varied target with a random drafter, a looping target with a drafter of its loop
+    token, and a target whose reply repeats its own phrases (copy drafts) with the random drafter."""
     root = tmp_path_factory.mktemp("archs")
     pairs = {}
     for name, extra in ARCHS.items():
@@ -43,6 +44,8 @@ def arch_pairs(tmp_path_factory) -> dict:
         token = collections.Counter(ref).most_common(1)[0][0]
         fixtures.write_constant_drafter(root / f"{name}-constant", draft_config, root / f"{name}-loop", token)
         pairs[name, "constant"] = load(str(root / f"{name}-constant"), str(root / f"{name}-loop"))
+        fixtures.write_target(root / f"{name}-repeating", config, seed=7, init_scale=0.3)
+        pairs[name, "repeating"] = load(str(root / f"{name}-random"), str(root / f"{name}-repeating"))
     return pairs
 
 
@@ -68,6 +71,26 @@ def test_lossless_with_accepted_drafts(arch_pairs, name, block_size):
     assert out.tokens == ref
     if block_size is not None:  # the adaptive policy may find plain decoding faster on this machine
         assert max(out.acceptance) >= 1  # some blocks were partly accepted, so rollbacks kept a prefix
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_lossless_with_copy_drafts(arch_pairs, name, block_size):
+    """Copy drafts of the looping reply, verified and rolled back by every kind of cache (sliding windows,
+    recurrent layers); the drafter's context, fed through the copy cycles, drafts exactly afterwards."""
+    target, drafter, tokenizer = arch_pairs[name, "repeating"]
+    ids = tokenizer.encode(PROMPTS[1])
+    ref = plain_greedy(target.model, ids, MAX_TOKENS)
+    cache = make_cache(target, drafter, block_size=block_size)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[],
+                   draft_source="copy", cache=cache)
+    assert out.tokens == ref
+    assert out.by_source["copy"]["accepted"] >= 1
+    cache.check()
+    follow = ids + out.tokens
+    again = generate(target, drafter, tokenizer, follow, max_tokens=16, block_size=block_size, eos_token_ids=[],
+                     cache=cache)
+    assert again.tokens == plain_greedy(target.model, follow, 16) and again.by_source["drafter"]["cycles"] > 0
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])

@@ -44,6 +44,28 @@ def test_json_is_complete_and_consistent(models_dir, tmp_path):
     assert "dflash vs plain decoding" in result.stdout
 
 
+def test_draft_sources_are_reported_and_pinned(models_dir, tmp_path):
+    """`--draft-source copy` on the re-emission set: only copies are drafted, still identical to plain; every
+    record counts each source's tokens and how much of its output re-emits its prompt."""
+    report, result = _bench(models_dir, tmp_path, "--dataset", "edit", "--num-prompts", "2", "--draft-source", "copy")
+    assert report["draft_source"] == "copy" and len(report["records"]) == 2
+    for r in report["records"]:
+        assert r["identical"] is True and 0 <= r["from_prompt"] <= 1
+        assert r["sources"]["drafter"]["drafted"] == 0
+        assert r["sources"]["copy"]["drafted"] == sum(k * n for k, n in enumerate(r["depth_histogram"]))
+    totals = report["summary"]["sources"]
+    kept = [r for r in report["records"] if not r["flagged"]]
+    assert totals["copy"]["accepted"] == sum(r["sources"]["copy"]["accepted"] for r in kept)
+    assert "drafted (accepted) tokens by source: drafter 0 (0), copy" in result.stdout
+    assert "draft source must be one of auto, drafter, copy, got 'nope'" in _error(models_dir, "--draft-source", "nope")
+
+
+def test_the_edit_set_asks_for_files_back():
+    edits = builtin("edit")
+    assert len(edits) == 6 and all("```python\n" in c.turns[0] and "one change:" in c.turns[0] for c in edits)
+    assert not any(c.name.startswith("edit") for c in builtin("all"))  # the default mix stays ordinary text
+
+
 def test_prompt_tokens_are_exact_and_window_honoured(models_dir, tmp_path):
     report, _ = _bench(models_dir, tmp_path, "--prompt-tokens", "40,100", "--window", "32")
     assert [r["prompt_tokens"] for r in report["records"]] == [40, 100]

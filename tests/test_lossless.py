@@ -6,7 +6,9 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import generate, make_cache
+from dflash_mlx import generate, load, make_cache
+from dflash_mlx.policy import COPY, DRAFTER, Plan
+from dflash_mlx.repeats import Repeats
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,11 @@ def test_long_accepted_runs_stay_lossless(looping, block_size):
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 13, 31, 50])
 @pytest.mark.parametrize("block_size", [4, 16, None])
-def test_max_tokens_cuts_mid_block(looping, max_tokens, block_size):
+@pytest.mark.parametrize("source", ["auto", "copy"])
+def test_max_tokens_cuts_mid_block(looping, max_tokens, block_size, source):
     target, drafter, tokenizer, ids, ref, _ = looping
-    out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, eos_token_ids=[])
+    out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, eos_token_ids=[],
+                   draft_source=source)
     assert out.tokens == ref[:max_tokens]
     assert out.finish_reason == "length"
 
@@ -68,11 +72,13 @@ def _first_run_end(ref: list[int], token: int) -> int:
 
 
 @pytest.mark.parametrize("block_size", [4, 16, None])
-def test_eos_inside_accepted_run(looping, block_size):
+@pytest.mark.parametrize("source", ["auto", "copy"])
+def test_eos_inside_accepted_run(looping, block_size, source):
     """The loop token as EOS: it sits inside every accepted run; stop at its first occurrence."""
     target, drafter, tokenizer, ids, ref, loop_token = looping
     first = ref.index(loop_token)
-    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[loop_token])
+    out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size,
+                   eos_token_ids=[loop_token], draft_source=source)
     assert out.tokens == ref[:first]
     assert out.finish_reason == "stop"
 
@@ -93,7 +99,8 @@ def test_eos_as_bonus_after_accepted_run(looping, block_size):
 
 
 @pytest.mark.parametrize("block_size", [4, 16, None])
-def test_a_stop_string_inside_an_accepted_run(looping, block_size):
+@pytest.mark.parametrize("source", ["auto", "copy"])
+def test_a_stop_string_inside_an_accepted_run(looping, block_size, source):
     """A stop string completed mid-block: the text ends before it, the tokens with the one completing it, the
     caches hold the committed history, and the next call on them is lossless."""
     target, drafter, tokenizer, ids, ref, loop_token = looping
@@ -104,7 +111,8 @@ def test_a_stop_string_inside_an_accepted_run(looping, block_size):
     cache = make_cache(target, drafter, block_size=block_size)
     responses = []
     out = generate(target, drafter, tokenizer, ids, on_response=responses.append, max_tokens=MAX_TOKENS,
-                   block_size=block_size, eos_token_ids=[], stop=["never in this text", stop], cache=cache)
+                   block_size=block_size, eos_token_ids=[], stop=["never in this text", stop], cache=cache,
+                   draft_source=source)
     assert out.text == full[: full.index(stop)] and stop not in out.text
     assert out.finish_reason == "stop" and out.stop_sequence == stop
     assert out.tokens == ref[: len(out.tokens)] and stop in tokenizer.decode(out.tokens)
@@ -151,23 +159,48 @@ def test_prompt_longer_than_block_and_single_token_prompt(pairs):
         assert out.tokens == ref
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama"])
-def test_drafts_use_exactly_the_committed_context(pairs, name):
+class _Alternating:
+    """Copy drafts and the drafter's blocks, cycle by cycle."""
+
+    def __init__(self):
+        self.repeats, self.i = Repeats(), 0
+
+    def start(self) -> None:
+        self.repeats.reset()
+
+    def plan(self, history) -> Plan:
+        self.i += 1
+        return Plan(3, COPY, 3) if self.i % 2 else Plan(3)
+
+    def observe(self, drafted, accepted, seconds, source="drafter") -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama", "copies between"])
+def test_drafts_use_exactly_the_committed_context(pairs, looping_dir, name):
     """Every cycle's drafts equal a fresh drafter pass over the features of all committed tokens.
 
     Lossless output cannot catch a drafter fed the wrong context (it only costs
     acceptance), so this replays each cycle from scratch: target features of the
-    committed prefix, then the block [last token, MASK...] right after it.
+    committed prefix, then the block [last token, MASK...] right after it. "copies
+    between": a looping target whose copy cycles alternate with the drafter's, which
+    must draft as if it had run all along.
     """
     import mlx.core as mx
 
     from dflash_mlx.generate import stream_generate
 
-    target, drafter, tokenizer = pairs[name]
-    seq = tokenizer.encode(PROMPTS[1])
-    checked = 0
-    for r in stream_generate(target, drafter, tokenizer, list(seq), max_tokens=60, block_size=4, eos_token_ids=[]):
-        if r.drafted:
+    if name == "copies between":
+        target, drafter, tokenizer = load(str(looping_dir / "random"), str(looping_dir / "target"))
+        seq, policy = tokenizer.encode("hello world"), _Alternating()
+    else:
+        (target, drafter, tokenizer), policy = pairs[name], None
+        seq = tokenizer.encode(PROMPTS[1])
+    checked, copied = 0, 0
+    for r in stream_generate(target, drafter, tokenizer, list(seq), max_tokens=60, block_size=4, eos_token_ids=[],
+                             policy=policy):
+        copied += r.source == COPY and r.accepted
+        if r.drafted and r.source == DRAFTER:
             committed, last = seq[:-1], seq[-1]
             _, feats = target(mx.array(committed)[None], target.make_cache())
             block = mx.array([last] + [drafter.mask_token_id] * len(r.drafted))
@@ -176,4 +209,4 @@ def test_drafts_use_exactly_the_committed_context(pairs, name):
             assert r.drafted == expected, f"cycle {checked}"
             checked += 1
         seq = seq + r.tokens
-    assert checked > 20
+    assert checked > (10 if policy else 20) and (policy is None or copied > 10)

@@ -10,7 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import generate, make_cache
-from dflash_mlx.policy import Acceptance, AdaptiveDepth, CycleCosts, Repeats
+from dflash_mlx.policy import COPY, DRAFTER, Acceptance, AdaptiveDepth, CycleCosts, Plan
+from dflash_mlx.repeats import Repeats
+
+
+def drafter_depth(plan: Plan) -> int:
+    """What the drafter drafts in a world whose text never repeats: a planned copy's fallback."""
+    return plan.fallback if plan.source == COPY else plan.depth
 
 
 class World:
@@ -28,6 +34,14 @@ class World:
         seconds = self.plain + (self.drafter if k else 0.0) + k * self.per_token
         return accepted, seconds * self.rng.uniform(0.9, 1.1)
 
+    def step(self, policy: AdaptiveDepth, history: list[int]) -> tuple[Plan, int, int, float]:
+        """A planned cycle, observed: (plan, drafted, accepted, seconds). This world's text never repeats,
+        so a planned copy finds nothing and the drafter's fallback runs."""
+        k = drafter_depth(plan := policy.plan(history))
+        accepted, seconds = self.cycle(k)
+        policy.observe(k, accepted, seconds)
+        return plan, k, accepted, seconds
+
     def best(self, depth: int) -> int:
         rates = [(1 - self.alpha ** (k + 1)) / (1 - self.alpha) / (self.plain + (self.drafter if k else 0) + k * self.per_token)
                  for k in range(depth + 1)]
@@ -37,9 +51,7 @@ class World:
 def run(policy: AdaptiveDepth, world: World, cycles: int) -> list[int]:
     chosen = []
     for _ in range(cycles):
-        k = policy.draft_length([])
-        accepted, seconds = world.cycle(k)
-        policy.observe(k, accepted, seconds)
+        _, k, _, _ = world.step(policy, [])
         chosen.append(k)
     return chosen
 
@@ -103,9 +115,7 @@ def test_a_long_context_does_not_pay_for_costs_learnt_at_a_short_one():
     for _ in range(8):  # prompts of 64 cycles each
         policy.start()
         for _ in range(64):
-            k = policy.draft_length([])
-            accepted, took = long.cycle(k)
-            policy.observe(k, accepted, took)
+            _, k, accepted, took = long.step(policy, [])
             tokens, seconds = tokens + accepted + 1, seconds + took
     assert tokens / seconds >= 0.97 / long.plain, (tokens / seconds * long.plain)
 
@@ -151,8 +161,9 @@ def test_ranks_that_time_apart_agree_on_every_depth():
         world, clocks = World(plain=0.02, drafter=0.01, per_token=0.002, alpha=0.6), np.random.default_rng(7)
         differing = 0
         for _ in range(600):
-            k0, k1 = (p.draft_length([]) for p in ranks)
-            differing += k0 != k1
+            plan, other = (p.plan([]) for p in ranks)
+            differing += plan != other
+            k0 = drafter_depth(plan)
             accepted, seconds = world.cycle(k0)
             for p in ranks:
                 p.observe(k0, accepted, seconds * clocks.uniform(0.8, 1.2))
@@ -216,7 +227,7 @@ class Text:
         history, made, noticed, seconds = list(prompt), 0, None, 0.0
         policy.start()
         while made < len(reply):
-            k = policy.draft_length(history)
+            k = policy.plan(history).depth
             self.world.alpha = 0.97 if made >= looping_from + 9 else 0.05  # from the loop's second pass on
             accepted, took = self.world.cycle(k)
             accepted = min(accepted, len(reply) - made - 1)
@@ -235,7 +246,7 @@ def test_drafts_where_the_text_repeats_without_waiting_for_a_probe():
     repeats waits for its next probe; and it is faster for it."""
     delays, times = {}, {}
     for name, repeats in (("sees repeats", Repeats()), ("blind", Repeats(n=10**9))):
-        text, policy = Text(seed=11), AdaptiveDepth(15, repeats=repeats)
+        text, policy = Text(seed=11), AdaptiveDepth(15, copies=False, repeats=repeats)
         delays[name], times[name] = [], 0.0
         for _ in range(12):
             new = int(text.rng.integers(40, 80))
@@ -263,38 +274,61 @@ def test_acceptance_estimate_per_position():
 
 
 def test_cost_fit_recovers_the_machine():
+    """Drafting cycles give the drafter's and the verify's per-token cost; copy cycles (no drafter pass) their
+    own fixed cost beyond the verify's, without disturbing the drafting line."""
     costs = CycleCosts(15)
     rng = np.random.default_rng(0)
-    for i in range(60):
-        k = [15, 0, 7, 3, 0, 12][i % 6]
-        costs.update(k, 0.03 + (0.01 if k else 0) + 0.002 * k + rng.normal(0, 1e-5))
-    np.testing.assert_allclose(costs.theta, [0.03, 0.01, 0.002], rtol=0.05, atol=2e-4)
+    for i in range(90):
+        k, copy = [(15, False), (0, False), (7, False), (3, False), (0, False), (12, False), (9, True), (2, True),
+                   (15, True)][i % 9]
+        fixed = 0.003 if copy else 0.01 if k else 0
+        costs.update(k, 0.03 + fixed + 0.002 * k + rng.normal(0, 1e-5), copy=copy)
+    np.testing.assert_allclose(costs.theta, [0.03, 0.01, 0.002, 0.003, 0.002], rtol=0.05, atol=2e-4)
+    assert np.isclose(costs.predict_copy(5), 0.03 + 0.003 + 0.01, rtol=0.05) and costs.predict_copy(0) == costs.plain
+
+
+def test_copies_look_free_until_one_is_measured():
+    """Before any copy cycle a copy costs what a plain step does (so copies are tried); one depth measured
+    prices every depth alike; two give the line, apart from the drafting cycles'."""
+    costs = CycleCosts(15)
+    for k in (15, 0, 1, 0):
+        costs.update(k, 0.03 + (0.01 + 0.002 * k if k else 0))
+    assert costs.predict_copy(9) == costs.plain
+    costs.update(4, 0.03 + 0.012, copy=True)
+    assert np.isclose(costs.predict_copy(4), 0.042) and np.isclose(costs.predict_copy(12), 0.042)
+    for _ in range(20):
+        costs.update(12, 0.03 + 0.002 + 0.001 * 12, copy=True)
+        costs.update(4, 0.03 + 0.002 + 0.001 * 4, copy=True)
+    assert np.isclose(costs.predict_copy(8), 0.03 + 0.002 + 0.008, rtol=0.05)
+    assert np.isclose(costs.predict(8), 0.03 + 0.01 + 0.016)
 
 
 class Scripted:
-    """A policy that drafts a given sequence of depths (cycling), as hypothesis draws them."""
+    """A policy that drafts a given sequence of depths and sources (cycling), as hypothesis draws them."""
 
-    def __init__(self, depths: list[int]):
-        self.depths, self.i, self.histories = depths, 0, []
+    def __init__(self, depths: list[int], sources: list[str] = (DRAFTER,)):
+        self.depths, self.sources, self.i, self.histories, self.seen = depths, sources, 0, [], []
+        self.repeats = Repeats()
 
     def start(self) -> None:
-        pass
+        self.repeats.reset()
 
-    def draft_length(self, history) -> int:
+    def plan(self, history) -> Plan:
         self.histories.append(list(history))
         self.i += 1
-        return self.depths[(self.i - 1) % len(self.depths)]
+        return Plan(self.depths[(self.i - 1) % len(self.depths)], self.sources[(self.i - 1) % len(self.sources)])
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        pass
+    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+        self.seen.append((drafted, accepted, source))
 
 
 @pytest.mark.parametrize("window", [None, 32])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(depths=st.lists(st.integers(0, 20), min_size=1, max_size=12), max_tokens=st.integers(1, 90))
-def test_any_depth_sequence_is_lossless(pairs, looping, window, depths, max_tokens):
-    """Whatever the policy drafts each cycle (0 included, beyond the block capped), output = plain greedy,
-    and a second turn on the same cache is exact too."""
+@given(depths=st.lists(st.integers(0, 20), min_size=1, max_size=12), max_tokens=st.integers(1, 90),
+       sources=st.lists(st.sampled_from([DRAFTER, COPY]), min_size=1, max_size=5))
+def test_any_depth_sequence_is_lossless(pairs, looping, window, depths, max_tokens, sources):
+    """Whatever the policy drafts each cycle (0 included, beyond the block capped), from the drafter or
+    copied from the history, output = plain greedy, and a second turn on the same cache is exact too."""
     for target, drafter, tokenizer, ids in (
         (*pairs["qwen3"], pairs["qwen3"][2].encode(PROMPTS[0])),
         looping[:3] + (looping[3],),
@@ -302,7 +336,7 @@ def test_any_depth_sequence_is_lossless(pairs, looping, window, depths, max_toke
         ref_cache = (lambda: target.make_cache(window, 0, 1)) if window else (lambda: None)
         cache = make_cache(target, drafter, window=window, block_size=8)
         out = generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=8, eos_token_ids=[],
-                       window=window, cache=cache, policy=(policy := Scripted(depths)))
+                       window=window, cache=cache, policy=(policy := Scripted(depths, sources)))
         cache.check()
         assert out.tokens == plain_greedy(target.model, ids, max_tokens, prompt_cache=ref_cache())
         told = policy.histories  # each decision saw the history so far: all but the newest token, on every path
@@ -310,9 +344,10 @@ def test_any_depth_sequence_is_lossless(pairs, looping, window, depths, max_toke
         assert [len(h) for h in told] == [len(ids) + e - 1 for e in emitted]
         assert all(h == (ids + out.tokens)[: len(h)] for h in told)
         assert set(out.drafted) <= {min(d, 7) for d in depths} | set(range(8))
+        assert out.sources == [s for _, _, s in policy.seen] and [d for d, _, _ in policy.seen] == out.drafted
         follow = ids + out.tokens + tokenizer.encode(" and")
         out2 = generate(target, drafter, tokenizer, follow, max_tokens=20, block_size=8, eos_token_ids=[],
-                        window=window, cache=cache, policy=Scripted(depths[::-1]))
+                        window=window, cache=cache, policy=Scripted(depths[::-1], sources[::-1]))
         cache.check()
         assert out2.tokens == plain_greedy(target.model, follow, 20, prompt_cache=ref_cache())
 
@@ -356,6 +391,12 @@ def test_generate_json_reports_depths(models_dir):
             "--no-chat-template", "-m", "40", "--json"]
     adaptive = json.loads(CliRunner().invoke(app, args).stdout)
     assert sum(adaptive["depth_histogram"]) == adaptive["cycles"]
+    drafted = sum(k * n for k, n in enumerate(adaptive["depth_histogram"]))
+    assert sum(s["drafted"] for s in adaptive["sources"].values()) == drafted
+    assert sum(s["accepted"] for s in adaptive["sources"].values()) == sum(k * n for k, n in enumerate(
+        adaptive["acceptance_histogram"]))
+    drafter_only = json.loads(CliRunner().invoke(app, args + ["--draft-source", "drafter"]).stdout)
+    assert drafter_only["sources"]["copy"] == {"cycles": 0, "drafted": 0, "accepted": 0}
     pinned = json.loads(CliRunner().invoke(app, args + ["-b", "4"]).stdout)
     assert pinned["depth_histogram"][3] >= pinned["cycles"] - 3 and sum(pinned["depth_histogram"]) == pinned["cycles"]
 
@@ -374,7 +415,7 @@ def test_a_new_prompt_probes_into_its_reply_and_a_whole_accept_looks_further():
         while not chosen[-1]:  # until just past a probe
             chosen += run(policy, bad, 1)
         interval = policy.probe_interval(1)
-        assert interval > 40 and policy.draft_length([]) == 0
+        assert interval > 40 and drafter_depth(policy.plan([])) == 0
         if new_prompt:
             policy.start()
         chosen = run(policy, World(**world, alpha=0.97, seed=100 + seed), 150)
@@ -401,9 +442,7 @@ def test_probes_come_often_where_drafting_keeps_coming_back():
             policy.start()
             made, noticed = 0, None
             while made < tokens:
-                k = policy.draft_length([])
-                accepted, took = world.cycle(k)
-                policy.observe(k, accepted, took)
+                _, k, accepted, took = world.step(policy, [])
                 if world is good and noticed is None and k >= 8:
                     noticed = made
                 made += accepted + 1

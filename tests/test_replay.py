@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import replay, stream_generate, traces
-from dflash_mlx.policy import AdaptiveDepth, FixedBlock
+from dflash_mlx.policy import COPY, AdaptiveDepth, FixedBlock
 from dflash_mlx.replay import CostProfile, Trace
 from dflash_mlx.sampling import Sampling
 
@@ -57,12 +57,13 @@ def test_a_sampled_trace_follows_the_seeded_target(looping):
     assert trace.output == plain == deep  # position-keyed draws: the same tokens at any depth
 
 
-def _trace(accepted_full: list[int], B: int = 3, prompt: int = 4) -> Trace:
-    """A hand-made trace whose block of k + 1 accepts min(k, accepted_full[p]) (drafts are not needed)."""
+def _trace(accepted_full: list[int], B: int = 3, prompt: int = 4, output: list[int] = None) -> Trace:
+    """A hand-made trace whose block of k + 1 accepts min(k, accepted_full[p]) (drafts are not needed); its
+    output never repeats unless given."""
     full = np.array(accepted_full)
     accepted = np.minimum(full[:, None], np.arange(B + 1)[None, :])
     drafts = np.full((len(full), B + 1, B), -1)
-    return Trace("hand", list(range(prompt)), list(range(100, 100 + len(full) + 1)), drafts, accepted)
+    return Trace("hand", list(range(prompt)), output or list(range(100, 100 + len(full) + 1)), drafts, accepted)
 
 
 def _profile(B: int = 3, upkeep: float = 0.1, drafter: float = 0.3, per_token: float = 0.2) -> CostProfile:
@@ -73,18 +74,47 @@ def _brute(trace: Trace, profile: CostProfile, p: int = 0) -> float:
     n = len(trace.output)
     if p >= n - 1:
         return 0.0
-    return min(profile.seconds(k, 0) + _brute(trace, profile, p + trace.accepted_at(p, k) + 1)
-               for k in range(min(trace.max_depth, n - p - 2) + 1))
+    depths = range(min(trace.max_depth, n - p - 2) + 1)
+    options = [profile.seconds(k, 0) + _brute(trace, profile, p + trace.accepted_at(p, k) + 1) for k in depths]
+    if trace.copy_at(p, 1) is not None:
+        options += [profile.copy_seconds(k, 0) + _brute(trace, profile, p + trace.copy_at(p, k) + 1) for k in depths[1:]]
+    return min(options)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_oracle_is_optimal_by_brute_force(seed):
+    """Over the drafter's depths and, where the output repeats (a small alphabet), copies of every depth."""
     rng = np.random.default_rng(seed)
-    trace = _trace(rng.integers(0, 4, size=9).tolist())
+    output = rng.integers(0, 2, size=14).tolist() if seed % 2 else None  # 11 trigrams of 8: one repeats
+    trace = _trace(rng.integers(0, 4, size=13).tolist(), output=output)
+    assert (trace.copied >= 0).any() == bool(output)
     profile = _profile(per_token=float(rng.uniform(0.0, 0.6)))
     assert replay.oracle(trace, profile) == pytest.approx(_brute(trace, profile))
-    for k in range(4):  # and no fixed depth beats it
-        assert replay.oracle(trace, profile) <= replay.simulate(FixedBlock(k + 1), [trace], profile).seconds + 1e-12
+    for k in range(4):  # and no fixed depth of either source beats it
+        for source in ("drafter", COPY):
+            fixed = replay.simulate(FixedBlock(k + 1, source), [trace], profile).seconds
+            assert replay.oracle(trace, profile) <= fixed + 1e-12
+    assert replay.oracle(trace, profile, copies=False) >= replay.oracle(trace, profile)
+
+
+def test_recorded_copies_are_the_decode_loops(looping):
+    """The copy a trace derives at each position is the one the decode loop verifies there, and is accepted
+    as far: the loop's copy cycles, pinned to copies, replay to the same tokens."""
+    target, drafter, tokenizer, ids, _, _ = looping
+    trace = traces.record(target, drafter, tokenizer, "loop", ids, 60)
+    emitted, cycles = 0, 0
+    for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=60, eos_token_ids=[], draft_source=COPY):
+        if r.drafted:
+            p, k = emitted - 1, len(r.drafted)
+            assert r.source == COPY and trace.copy_at(p, k) == r.accepted, (p, k)
+            assert r.drafted == (ids + trace.output)[len(ids) + p + 1 :][: r.accepted] + r.drafted[r.accepted :]
+            cycles += 1
+        elif emitted:
+            assert trace.copied[emitted - 1] < 0  # a plain step: the history offered no copy there
+        emitted += len(r.tokens)
+    assert cycles > 3 and trace.copied.max() >= 4  # the loop is copied, several tokens at a time
+    run = replay.simulate(FixedBlock(drafter.block_size, COPY), [trace], _profile(B=drafter.block_size - 1))
+    assert run.copies == cycles
 
 
 def test_a_hand_made_replay():

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from dflash_mlx import DFlashError, fixtures, generate, load
 from dflash_mlx.cli import app
 from dflash_mlx.policy import AdaptiveDepth
-from dflash_mlx.sampling import Sampling, verify_match, verify_rejection
+from dflash_mlx.repeats import Repeats
+from dflash_mlx.sampling import Sampling, copy_proposal, verify_match, verify_rejection
 
 SAMPLES = 1500
 GENERATED = 3
@@ -152,16 +153,52 @@ def _draft_distributions(p: mx.array) -> dict[str, mx.array]:
     second[order[1]] = 1.0
     spread = np.random.default_rng(0).random(V)
     mix = 0.5 * np.exp(np.array(p)) + 0.5 * second
-    return {name: mx.log(mx.array(x / x.sum(), dtype=mx.float32)) for name, x in
-            {"one-hot on p's mode": one_hot, "one-hot on p's runner-up": second, "spread": spread,
-             "half p, half runner-up": mix}.items()}
+    out = {name: mx.log(mx.array(x / x.sum(), dtype=mx.float32)) for name, x in
+           {"one-hot on p's mode": one_hot, "one-hot on p's runner-up": second, "spread": spread,
+            "half p, half runner-up": mix}.items()}
+    for rank, name in ((0, "copy of p's mode"), (1, "copy of p's runner-up"), (V // 2, "copy of an unlikely token")):
+        out[name] = copy_proposal([int(order[rank])], Sampling(1.0, verify="rejection"), V).logprobs[0]  # exact zeros
+    return out
+
+
+def test_copy_drafts_keep_the_output_distribution(peaked):
+    """Copy drafts (point-mass proposals) through the whole decode loop, at T=1 with rejection sampling:
+    sequences distributed as plain sampling's, with copies both accepted and rejected along the way."""
+    pairs, ids = peaked
+    target, drafter, tokenizer = pairs["random"]
+    # Where the greedy reply repeats itself, find the prompt whose first sampled token, if greedy, is offered a
+    # copy at once whose first token the target accepts about half the time: both paths of the verifier run.
+    greedy = plain_greedy(target.model, ids, 120)
+    seq = ids + greedy
+    logits, _ = target(mx.array(seq)[None], target.make_cache())
+    probs = np.array(mx.softmax(logits[0].astype(mx.float32), axis=-1))
+    index, best = Repeats(), (0.0, None)
+    for i in range(len(ids), len(seq) - 1):
+        copy = index.continuation(seq[:i], seq[i], 1)
+        if copy == [seq[i + 1]]:
+            p1, p2 = probs[i - 1, seq[i]], probs[i, seq[i + 1]]
+            best = max(best, (p1 * min(p2, 1 - p2), i), key=lambda b: b[0])
+    assert best[1] is not None
+    prompt = seq[: best[1]]
+    sampler = make_sampler(temp=1.0)
+    plain = _plain_samples(target.model, prompt, sampler, SAMPLES)
+    ours, copies = [], collections.Counter()
+    for i in range(SAMPLES):
+        out = generate(target, drafter, tokenizer, prompt, max_tokens=GENERATED, eos_token_ids=[], seed=i,
+                       draft_source="copy", **T1)
+        ours.append(tuple(out.tokens))
+        copies.update(out.by_source["copy"])
+    stat, critical = _chi_square_same(ours, plain)
+    assert len(set(plain)) > 5
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+    assert copies["cycles"] > SAMPLES // 4 and SAMPLES // 20 < copies["accepted"] < copies["drafted"] - SAMPLES // 20
 
 
 @pytest.mark.parametrize("verify", ["rejection", "match"])
 def test_verifier_emits_exactly_p(peaked, verify):
     """One draft position, 60k independent trials per q: the emitted token (the accepted draft, else
-    the verifier's own token) is distributed as p whatever q is. Sharp enough to catch a residual
-    drawn from p instead of max(0, p - q)."""
+    the verifier's own token) is distributed as p whatever q is, copy drafts' point masses included.
+    Sharp enough to catch a residual drawn from p instead of max(0, p - q)."""
     pairs, ids = peaked
     target, _, _ = pairs["random"]
     logits, _ = target(mx.array(ids + [ids[-1]])[None], target.make_cache())
