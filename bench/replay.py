@@ -4,10 +4,13 @@ For every trace file (bench/trace.py) and every cost profile (this machine's, me
 with the traces; and the Apple Silicon profiles of ``dflash_mlx.replay.MAC_PROFILES``,
 each derived from published figures): the default policy against mlx-lm's plain
 decoding, the best fixed depth in hindsight and the oracle (the best depth schedule in
-hindsight). Also the mean acceptance of drafting a block of k + 1 (what the decode loop
-does) against drafting the whole block and verifying its first k, and what each is worth
-to the best fixed depth and the oracle. No timing runs here: the same files give the same
-table.
+hindsight). Copy drafts (what followed an earlier occurrence of the history's end) are
+derived from each trace's own tokens: the table also gives the policy without them
+("drafter"), the best fixed copy depth, and how many cycles copied; the oracle chooses
+among plain steps, the drafter's depths and copies. Also the mean acceptance of drafting
+a block of k + 1 (what the decode loop does) against drafting the whole block and
+verifying its first k, and what each is worth to the oracle. No timing runs here: the
+same files give the same table.
 
     python bench/replay.py bench/.cache/traces/*.jsonl
 """

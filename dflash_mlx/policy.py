@@ -191,6 +191,14 @@ class Line:
     def depths(self) -> int:
         return len(self._means)
 
+    def through(self, per_token: float) -> tuple[float, float]:
+        """Until two depths are seen: the line with this slope through the one seen (through 0 if none)."""
+        if len(self._means) >= 2:
+            assert self.fit is not None
+            return self.fit
+        (k, (_, mean)), = self._means.items() or [(0, (0.0, 0.0))]
+        return max(mean - per_token * k, 0.0), per_token
+
 
 @dataclass
 class CycleCosts:
@@ -204,8 +212,11 @@ class CycleCosts:
     rather than array calls.
 
     A copy cycle runs no drafter: its overhead is a line of its own, measured from
-    the copy cycles alone, and free until one is seen, so that copies are tried: a
-    copy costs only its verify, and the first measures what it costs here.
+    the copy cycles alone. Until they have measured two depths, it takes the drafting
+    cycles' per-token cost (the same verify) as its slope, through the depth measured,
+    or through zero before any: a copy costs its verified tokens and nothing fixed, so
+    copies are tried, and the first measures what they cost here. (Taken flat instead,
+    one first copy of 15 priced a copy of 1 as dear and none was tried again.)
     """
 
     max_depth: int = 15
@@ -252,7 +263,7 @@ class CycleCosts:
         """(plain, drafter, per_token, copy fixed, copy per_token) in seconds at the current plain step, once measured."""
         if not self.ready:
             return None
-        return [self.plain * x for x in (1.0, *self.drafting.fit, *(self.copying.fit or (0.0, 0.0)))]
+        return [self.plain * x for x in (1.0, *self.drafting.fit, *self.copying.through(self.drafting.fit[1]))]
 
     def predict(self, k: int) -> float:
         """Predicted seconds of a cycle drafting k."""
@@ -263,7 +274,7 @@ class CycleCosts:
     def predict_copy(self, k: int) -> float:
         """Predicted seconds of a cycle copying k."""
         assert self.ready
-        fixed, per_token = self.copying.fit or (0.0, 0.0)
+        fixed, per_token = self.copying.through(self.drafting.fit[1])
         return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
 
 

@@ -287,15 +287,16 @@ def test_cost_fit_recovers_the_machine():
     assert np.isclose(costs.predict_copy(5), 0.03 + 0.003 + 0.01, rtol=0.05) and costs.predict_copy(0) == costs.plain
 
 
-def test_copies_look_free_until_one_is_measured():
-    """Before any copy cycle a copy costs what a plain step does (so copies are tried); one depth measured
-    prices every depth alike; two give the line, apart from the drafting cycles'."""
+def test_copies_cost_their_verify_until_measured():
+    """Before any copy cycle a copy costs a plain step and its verified tokens at the drafting cycles' rate
+    (nothing fixed: copies are tried); one depth measured moves that line through it; two give the copies'
+    own line, apart from the drafting cycles'."""
     costs = CycleCosts(15)
     for k in (15, 0, 1, 0):
         costs.update(k, 0.03 + (0.01 + 0.002 * k if k else 0))
-    assert costs.predict_copy(9) == costs.plain
-    costs.update(4, 0.03 + 0.012, copy=True)
-    assert np.isclose(costs.predict_copy(4), 0.042) and np.isclose(costs.predict_copy(12), 0.042)
+    assert np.isclose(costs.predict_copy(9), 0.03 + 9 * 0.002)
+    costs.update(15, 0.03 + 0.003 + 0.002 * 15, copy=True)  # a first copy of 15: not every depth priced as it
+    assert np.isclose(costs.predict_copy(15), 0.063) and np.isclose(costs.predict_copy(1), 0.03 + 0.003 + 0.002)
     for _ in range(20):
         costs.update(12, 0.03 + 0.002 + 0.001 * 12, copy=True)
         costs.update(4, 0.03 + 0.002 + 0.001 * 4, copy=True)

@@ -91,7 +91,23 @@ def test_chat_completion_equals_generate(client, pairs):
         out.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == len(ref.tokens) and not chunks[-1].choices
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt as the request before
-    assert {"tau", "acceptance_rate", "cycles"} <= set(chunks[-1].usage.model_extra["dflash"])
+    figures = chunks[-1].usage.model_extra["dflash"]
+    assert {"tau", "acceptance_rate", "cycles", "sources"} <= set(figures) and set(figures["sources"]) == {"drafter", "copy"}
+
+
+def test_a_pinned_draft_source_is_served_losslessly(models_dir, pairs):
+    """`serve --draft-source copy`: the official client gets plain greedy's text, drafted by copies only."""
+    proc, url = _start(models_dir, "--draft-source", "copy")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0, timeout=120)
+        prompt = "one two three four " * 12
+        out = client.completions.create(model="any", prompt=prompt, max_tokens=60, temperature=0)
+        target, drafter, tokenizer = pairs["qwen3"]
+        assert out.choices[0].text == generate(target, drafter, tokenizer, prompt, max_tokens=60).text
+        sources = out.usage.model_extra["dflash"]["sources"]
+        assert sources["drafter"]["drafted"] == 0
+    finally:
+        _ctrl_c(proc, url)
 
 
 def test_a_request_without_sampling_settings_gets_the_servers_defaults(client, pairs):
