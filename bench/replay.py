@@ -62,7 +62,6 @@ ABLATIONS: dict[str, Callable[[int], AdaptiveDepth]] = {
     "probe_budget halved": _with(probe_budget=0.0025),
     "probe_budget doubled": _with(probe_budget=0.01),
     "no min_probe (1)": _with(min_probe=1),
-    "no max_probe": _with(max_probe=10**9),
 }
 
 
@@ -79,6 +78,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--ablate", action="store_true", help="also each tunable removed: its effect on tokens/s")
+    ap.add_argument("--drafter-only", action="store_true",
+                    help="ablate the policy without copy drafts (where copies would decide everything, e.g. "
+                         "degenerate output, the drafter's own tunables are judged apart)")
     ap.add_argument("--mixed", nargs=2, type=Path, metavar=("GREEDY", "SAMPLED"),
                     help="greedy and sampled requests alternating: one policy state for both vs one each")
     args = ap.parse_args()
@@ -113,10 +115,17 @@ def main() -> None:
                   f"{got['copies'] / max(cycles, 1):>6.0%}  {whole.vs_plain:>18.2f}x")
         if args.ablate:
             profiles = profiles_for(path, B)
-            base = [replay.simulate(AdaptiveDepth(B), recorded, p).tokens_per_second for p in profiles]
-            print("  tokens/s with a tunable removed, relative to the default, per profile:")
+
+            def policy(make: Callable[[int], AdaptiveDepth]) -> AdaptiveDepth:
+                made = make(B)
+                made.copies = made.copies and not args.drafter_only
+                return made
+
+            base = [replay.simulate(policy(AdaptiveDepth), recorded, p).tokens_per_second for p in profiles]
+            print(f"  tokens/s with a tunable removed, relative to the default{' without copies' * args.drafter_only}"
+                  ", per profile:")
             for label, make in ABLATIONS.items():
-                ratios = [replay.simulate(make(B), recorded, p).tokens_per_second / b for p, b in zip(profiles, base)]
+                ratios = [replay.simulate(policy(make), recorded, p).tokens_per_second / b for p, b in zip(profiles, base)]
                 print(f"    {label:<46} " + "  ".join(f"{r:.3f}" for r in ratios))
     if args.mixed:
         (_, greedy), (_, sampled) = (traces.read(str(p)) for p in args.mixed)

@@ -302,7 +302,7 @@ class AdaptiveDepth:
     by ``memory`` per plain cycle. Probes thus come every ~20 cycles where replies
     keep falling into runs the drafter follows (a chat reply's loops), and where
     they never do, no more often than losing ``probe_budget`` of the time allows
-    (at least ``min_probe`` cycles apart, at most ``max_probe``).
+    (at least ``min_probe`` cycles apart).
 
     A new generation (a new prompt), where acceptance changes most, brings the next
     probe forward to a quarter of an interval into its reply, not to its first
@@ -344,7 +344,6 @@ class AdaptiveDepth:
     copies: bool = True
     probe_budget: float = 0.005
     min_probe: int = 8
-    max_probe: int = 1024
     stale: float = 0.995
     memory: float = 0.995
     prompt_memory: float = 0.8
@@ -428,7 +427,7 @@ class AdaptiveDepth:
         budgeted = loss / self.probe_budget
         found = self._found / self._waited
         best = (2 * loss / found) ** 0.5 if found > 0 else budgeted
-        return int(min(max(min(best, budgeted), self.min_probe), self.max_probe))
+        return int(max(min(best, budgeted), self.min_probe))
 
     def plan(self, history: Sequence[int]) -> Plan:
         if self.max_depth == 0:

@@ -179,6 +179,27 @@ def occurs_before(history: list[int], length: int) -> bool:
     return any(history[j : j + length] == tail for j in range(len(history) - length))
 
 
+@settings(max_examples=300, deadline=None)
+@given(history=st.lists(st.integers(0, 3), min_size=1, max_size=60), last=st.integers(0, 3), k=st.integers(0, 20))
+def test_a_copy_continues_an_earlier_occurrence(history, last, k):
+    """A copy draft is what followed an earlier occurrence of the history's last three tokens (LZ77-style: a
+    match close behind extends itself), of exactly k tokens; none only where those tokens never occurred
+    before, and the same however the history was indexed."""
+    seq = history + [last]
+    earlier = [s for s in range(3, len(seq)) if seq[s - 3 : s] == seq[-3:]]
+    index = Repeats()
+    for cut in range(1, len(history)):
+        index.length(history[:cut])  # indexed as a generation goes
+    copy = index.continuation(history, last, k)
+    assert copy == Repeats().continuation(history, last, k)
+    if not earlier or k == 0:
+        assert copy == []
+        return
+    assert len(copy) == k
+    ext = seq + copy
+    assert any(all(ext[s + i] == c for i, c in enumerate(copy)) for s in earlier)
+
+
 @settings(max_examples=200, deadline=None)
 @given(history=st.lists(st.integers(0, 3), max_size=60), cuts=st.lists(st.integers(0, 60), max_size=5))
 def test_repeats_measures_a_repeat_that_is_there_however_the_history_arrives(history, cuts):
