@@ -26,12 +26,15 @@ class Repeats:
     where the text repeats and decode plainly where it does not, without waiting
     for a probe to notice the change. Each new token costs a dict lookup; a new
     generation indexes the last ``horizon`` tokens of its history once, and a long
-    one again every ``3 * horizon`` tokens, which bounds the index.
+    one again every ``3 * horizon`` tokens, which bounds the index. The horizon is
+    long enough for an agent's prompt, whose file to copy back may sit well before
+    its last few thousand tokens (indexing 16k tokens takes milliseconds, next to
+    seconds of prefill).
     """
 
     n: int = 3  # the shortest repeat that counts
     long: int = 12  # from here on a repeat is a bucket of its own (and the length stops growing)
-    horizon: int = 4096
+    horizon: int = 16384
     _ends: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)  # n-gram -> index past its latest
     _first: int = 0  # the first token indexed
     _seen: int = 0  # tokens of the history indexed
@@ -62,7 +65,6 @@ class Repeats:
         """0: the end of the history is new; 1: it repeats a short stretch; 2: a long one."""
         length = self.length(history)
         return 0 if length < self.n else 1 if length < self.long else 2
-
 
     def continuation(self, history: Sequence[int], last: int, k: int) -> list[int]:
         """A copy draft: up to ``k`` tokens that followed the latest earlier occurrence of ``history + [last]``'s end.
