@@ -283,7 +283,8 @@ def _record(name: str, turn: int, ids: list[int], runs: list[dict[str, Any]], te
         "plain": plain, "dflash": dflash,
         "speedup": dflash["decode_tps"] / plain["decode_tps"] if plain["decode_tps"] else 0.0,
         "tau": dflash["tau"], "acceptance_histogram": dflash["histogram"], "depth_histogram": dflash["depth_histogram"],
-        "sources": dflash["sources"], "from_prompt": from_prompt(ids, dflash["tokens"]), "identical": identical, "longest_repeat": longest, "distinct_4gram_ratio": distinct,
+        "sources": dflash["sources"], "from_prompt": from_prompt(ids, dflash["tokens"]), "identical": identical,
+        "longest_repeat": longest, "distinct_4gram_ratio": distinct,
         "flagged": flags,
     }
 

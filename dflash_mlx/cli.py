@@ -605,7 +605,8 @@ def bench(
 
         try:
             b.measure(tgt, drafter, tokenizer, conversations, max_tokens=max_tokens, block_size=block_size,
-                      draft_source=draft_source, window=window, sinks=sinks, temperature=temperature, repeats=repeats, on_record=done)
+                      draft_source=draft_source, window=window, sinks=sinks, temperature=temperature, repeats=repeats,
+                      on_record=done)
         except KeyboardInterrupt:  # minutes of measurements are worth keeping
             interrupted = True
     if interrupted and not records:
@@ -841,7 +842,8 @@ def serve(
     if memory_cap is None and tgt.group is None:
         memory_cap = machine_description()["memory_bytes"] // 4
     engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                    draft_source=draft_source, prefill_step_size=prefill_step_size, defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens),
+                    draft_source=draft_source, prefill_step_size=prefill_step_size,
+                    defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens),
                     cache_entries=cache_entries, cache_bytes=memory_cap, cache_dir=directory,
                     cache_disk_bytes=disk_cap)
     if not distributed.is_main():  # rank 0 listens and hands each request over
