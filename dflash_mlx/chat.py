@@ -21,7 +21,7 @@ from .caches import make_cache
 from .chat_template import has_chat_template, render
 from .errors import DFlashError
 from .files import write_atomic
-from .prompt_cache import cache_file, fingerprint, read_state, write_state
+from .cache_files import cache_file, fingerprint, read_state, write_state
 from .generate import INTERRUPTED, GenerationResponse, GenerationResult, generate
 
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats

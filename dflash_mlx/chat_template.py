@@ -57,6 +57,36 @@ def render(
     return list(out) if tokenize else out
 
 
+def fold_system(messages: Messages) -> list[dict[str, Any]]:
+    """The conversation with every system message after the first turn joined to a neighbouring user turn.
+
+    For templates that take a system turn only at the start (Qwen3.5's raises on a later
+    one): the text goes to the end of the user turn before it, else the start of the user
+    turn after it, else it becomes a user turn of its own. The first message, system or
+    not, is left as it is.
+    """
+    out: list[dict[str, Any]] = [dict(m) for m in messages[:1]]
+    carried: list[str] = []  # system text waiting for the next user turn
+    for m in messages[1:]:
+        if m.get("role") == "system":
+            if out and out[-1].get("role") == "user" and not carried:
+                out[-1]["content"] = f"{out[-1]['content']}\n\n{m['content']}"
+            else:
+                carried.append(str(m["content"]))
+            continue
+        m = dict(m)
+        if carried and m.get("role") == "user":
+            m["content"] = "\n\n".join([*carried, str(m["content"])])
+            carried = []
+        elif carried:
+            out.append({"role": "user", "content": "\n\n".join(carried)})
+            carried = []
+        out.append(m)
+    if carried:
+        out.append({"role": "user", "content": "\n\n".join(carried)})
+    return out
+
+
 def prompt_ids(tokenizer: Any, messages: Messages, *, thinking: Optional[bool] = None) -> list[int]:
     """Ids to ask the model with: through its chat template, or the messages' text, one per line, when it has none."""
     if has_chat_template(tokenizer):

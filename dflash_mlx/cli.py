@@ -808,9 +808,11 @@ def serve(
     cache_dir: Optional[str] = typer.Option(
         None, "--prompt-cache-dir", help="Keep the caches on disk too, here; a restart resumes from them \\[default: off]."),
     cache_disk_bytes: str = typer.Option("20GB", "--prompt-cache-disk-bytes", help="Size cap of --prompt-cache-dir."),
+    keepalive: float = typer.Option(
+        15.0, "--keepalive", help="Seconds of silence (queue, prefill) after which a stream carries a keep-alive."),
 ) -> None:
-    """Serve the pair over OpenAI's and Anthropic's HTTP APIs (chat, text completions, messages; tools, reasoning)."""
-    from .api import Defaults
+    """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
+    from .server.request import Defaults
     from .system import install_hint, machine_description
 
     try:
@@ -827,6 +829,8 @@ def serve(
                    top_p=top_p, top_k=top_k, min_p=min_p)
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
+    if not 0 < keepalive <= 3600:
+        raise DFlashError(f"--keepalive must be between 0 and 3600 seconds, got {keepalive}")
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise DFlashError(f"--log-level takes debug, info, warning or error, got {log_level!r}")
     origins = tuple(o.strip() for o in (allowed_origins or "").split(",") if o.strip())
@@ -849,7 +853,8 @@ def serve(
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
-    run(engine, host, port, api_key, allowed_origins=origins, log_level=log_level, on_ready=lambda: err.print(
-        f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI's API, and Anthropic's at /v1/messages; "
-        "Ctrl-C stops)", soft_wrap=True))
+    run(engine, host, port, api_key, allowed_origins=origins, log_level=log_level, keepalive=keepalive,
+        on_ready=lambda: err.print(
+            f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI's chat and Responses APIs, "
+            "Anthropic's at /v1/messages; Ctrl-C stops)", soft_wrap=True))
     err.print("stopped")

@@ -27,8 +27,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus() -> list[str]:
-    """Offline training text: the sources of a few standard-library modules."""
+def _corpus(large: bool = False) -> list[str]:
+    """Offline training text: the sources of a few standard-library modules, or of all its top-level ones.
+
+    The large corpus (4.7 MB of code, docstrings and comments) trains a tokenizer that
+    compresses prose and JSON about as a real one does (~3 characters a token), so an
+    agent's 80k-character request is ~25k tokens rather than 80k.
+    """
+    if large:
+        import sysconfig
+
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        return [f.read_text(encoding="utf-8", errors="ignore") for f in files]
     import json as m1
     import textwrap as m2
     import string as m3
@@ -37,7 +47,7 @@ def _corpus() -> list[str]:
 
 
 def write_tokenizer(path: Path, vocab_size: int = 384, added: Sequence[str] = (),
-                    chat_template: str = CHAT_TEMPLATE) -> int:
+                    chat_template: str = CHAT_TEMPLATE, large_corpus: bool = False) -> int:
     """Train a byte-level BPE tokenizer offline and save it as HF files. Returns its size.
 
     ``added`` pieces become tokens of their own after the trained vocabulary (ids from
@@ -55,7 +65,7 @@ def write_tokenizer(path: Path, vocab_size: int = 384, added: Sequence[str] = ()
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus(large_corpus), trainer)
     tok.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in added])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
@@ -332,9 +342,12 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
 
 
 # Qwen3's tool format (tools listed in the system turn, calls as <tool_call> JSON, results as <tool_response>
-# in a user turn, <think> reasoning), for scripted targets. A scripted target sees only its last token, so the
-# generation prompt says which turn this is: "assistant[tools]" when tools are offered, "assistant[tool result]"
-# after a tool's result, and Qwen3's empty think block when thinking is switched off.
+# in a user turn, <think> reasoning, a later system message rendered as a system turn), for scripted targets. A
+# scripted target sees only its last token, so the generation prompt says which turn this is:
+# "assistant[tools]" when get_weather is offered, "assistant[tool result]" after a tool's result
+# ("[echo result]" when it holds the marker dflash-ok), "assistant[Bash]" (or another agent's shell tool,
+# exec_command for Codex, run_shell_command for Qwen Code) when the user asks to run "echo dflash-ok" and that tool is offered, and Qwen3's empty think
+# block when thinking is switched off.
 TOOLS_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
@@ -364,7 +377,17 @@ TOOLS_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant' }}"
-    "{%- if messages[-1].role == 'tool' %}{{- '[tool result]' }}{%- elif tools %}{{- '[tools]' }}{%- endif %}"
+    "{%- set ns = namespace(result=false, echoed=false, run=false) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}{%- set ns.result = true %}{%- set ns.echoed = 'dflash-ok' in m.content %}"
+    "{%- elif m.role == 'assistant' %}{%- set ns.result = false %}"
+    "{%- elif m.role == 'user' and 'echo dflash-ok' in m.content %}{%- set ns.run = true %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- set names = (tools or []) | map(attribute='function') | map(attribute='name') | list %}"
+    "{%- if ns.result %}{{- '[echo result]' if ns.echoed else '[tool result]' }}"
+    "{%- elif ns.run and names | select('in', ['Bash', 'exec_command', 'run_shell_command']) | list %}"
+    "{{- '[' + (names | select('in', ['Bash', 'exec_command', 'run_shell_command']) | first) + ']' }}"
+    "{%- elif 'get_weather' in names %}{{- '[tools]' }}{%- endif %}"
     "{{- '\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
@@ -378,12 +401,20 @@ AGENT_SCRIPTS = {
     "assistant[tools]\n": ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>",
                            "<|im_end|>"],
     "assistant[tool result]\n": ["It is 22 degrees in Paris.", "<|im_end|>"],
+    # The agents' shell tools, each call one token (a piece has one successor, and "<tool_call>" has get_weather's).
+    "assistant[Bash]\n": ['<tool_call>\n{"name": "Bash", "arguments": {"command": "echo dflash-ok", '
+                          '"description": "Print the marker"}}\n</tool_call>', "<|im_end|>"],
+    "assistant[exec_command]\n": ['<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo dflash-ok"}}'
+                                  '\n</tool_call>', "<|im_end|>"],
+    "assistant[run_shell_command]\n": ['<tool_call>\n{"name": "run_shell_command", "arguments": {"command": '
+                                       '"echo dflash-ok"}}\n</tool_call>', "<|im_end|>"],
+    "assistant[echo result]\n": ["The command printed dflash-ok.", "<|im_end|>"],
 }
 
 
 def write_scripted_target(
     path: Path, scripts: dict[str, list[str]], chat_template: str = CHAT_TEMPLATE, config: Optional[dict] = None,
-    seed: int = 0,
+    seed: int = 0, large_corpus: bool = False,
 ) -> Path:
     """A target that answers by script: its greedy next token is a fixed function of the current one.
 
@@ -406,7 +437,7 @@ def write_scripted_target(
     special = set(SPECIAL_TOKENS)
     added = list(dict.fromkeys(p for p in [*chain, *chain.values()] if p not in special))
     path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path, config["vocab_size"], added=added, chat_template=chat_template)
+    write_tokenizer(path, config["vocab_size"], added=added, chat_template=chat_template, large_corpus=large_corpus)
     vocab = json.loads((path / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     hidden = config["hidden_size"]

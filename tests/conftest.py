@@ -85,10 +85,13 @@ def looping(looping_dir):
 @pytest.fixture(scope="session")
 def agent_dir(tmp_path_factory) -> Path:
     """A scripted target in Qwen3's tool format (``fixtures.AGENT_SCRIPTS``: a think block then an answer, a tool
-    call when tools are offered, an answer after a tool's result), with a random drafter. Its script pieces are
-    added tokens, so their ids lie past the tokenizer's ``vocab_size``, as Qwen's ``<tool_call>`` does."""
+    call when tools are offered, an answer after a tool's result, the agents' shell calls), with a random drafter.
+    Its script pieces are added tokens, so their ids lie past the tokenizer's ``vocab_size``, as Qwen's
+    ``<tool_call>`` does. Its tokenizer compresses as a real one does (an agent's 80k-character request is ~25k
+    tokens) and it has Qwen3-8B's 40,960 positions, which agents ask more of than it holds."""
     root = tmp_path_factory.mktemp("agent")
-    config = fixtures.target_config("qwen3")
-    fixtures.write_scripted_target(root / "target", fixtures.AGENT_SCRIPTS, fixtures.TOOLS_TEMPLATE, config)
+    config = fixtures.target_config("qwen3", vocab_size=8192, max_position_embeddings=40960)  # Qwen3-8B's positions
+    fixtures.write_scripted_target(root / "target", fixtures.AGENT_SCRIPTS, fixtures.TOOLS_TEMPLATE, config,
+                                   large_corpus=True)
     fixtures.write_drafter(root / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
     return root

@@ -14,7 +14,8 @@ import pytest
 
 from dflash_mlx import fixtures, generate, load, make_cache
 from dflash_mlx.chat_template import render
-from dflash_mlx.prompt_cache import FORMAT, PromptCache, fingerprint
+from dflash_mlx.cache_files import FORMAT, fingerprint
+from dflash_mlx.server.prompt_cache import PromptCache
 from helpers import finish, start_server
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}

@@ -205,7 +205,7 @@ def test_multi_turn_reuses_the_cache(client):
     (json.dumps({"model": "x", "messages": MESSAGES, "temperature": 1, "seed": -1}).encode(), 400, "seed"),
     (json.dumps({"model": "x", "messages": MESSAGES, "temperature": 1, "seed": 2**64}).encode(), 400, "seed"),
     (b"[1, 2]", 400, None),
-    (b"x" * (5 * 2**20), 413, None),
+    (b"x" * (17 * 2**20), 413, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, body, status, param):
     r = httpx.post(f"{server}/v1/chat/completions", content=body, timeout=60,

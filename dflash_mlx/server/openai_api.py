@@ -9,12 +9,14 @@ block goes to ``reasoning_content``, as vLLM, SGLang and DeepSeek's API name it.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any, Optional
 
-from .api import TOP_LOGPROBS, APIError, Completion, Defaults, budget, chat_ids, number, sampling, stops
-from .generate import encode_prompt
-from .replies import Reply, ToolCall
+from ..generate import encode_prompt
+from ..replies import Reply, ToolCall
+from .request import (TOP_LOGPROBS, APIError, Completion, Dialect, Event, Model, budget, chat_ids, flag, number,
+                      sampling, stops, text_only, thinking_from_effort, tool_choice)
 
 # Parameters that would change the answer and that this server does not implement: refused, never ignored.
 UNSUPPORTED = {
@@ -37,17 +39,22 @@ def _text(content: Any, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise APIError(400, f"{where}: only text parts are supported by this server", where)
+        for j, p in enumerate(content):
+            if p.get("type") != "text":
+                text_only(p, f"{where}[{j}]")
+            if not isinstance(p.get("text"), str):
+                raise APIError(400, f"{where}[{j}].text must be a string", "messages")
         return "".join(p["text"] for p in content)
-    raise APIError(400, f"{where} must be a string, null or a list of text parts", where)
+    raise APIError(400, f"{where} must be a string, null or a list of text parts", "messages")
 
 
 def _message(m: Any, i: int) -> dict[str, Any]:
     """One message, as the chat template reads it (a call's arguments as an object, as Qwen's templates want)."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise APIError(400, f"{where} needs a role of system, user, assistant or tool", "messages")
+        raise APIError(400, f"{where} needs a role of system, developer, user, assistant or tool", "messages")
+    if m.get("content") is None and not (m["role"] == "assistant" and (m.get("tool_calls") or "content" in m)):
+        raise APIError(400, f"{where} needs a content", "messages")
     role = "system" if m["role"] == "developer" else m["role"]
     out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
     if role == "tool":
@@ -72,22 +79,28 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             raise APIError(400, f"{where}.function.arguments is not valid JSON", "messages") from None
+    if not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object", "messages")
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _tools(body: dict) -> list[dict[str, Any]]:
-    """The tools offered, if the request lets the model call them (tool_choice auto, or absent)."""
-    tools, choice = body.get("tools") or [], body.get("tool_choice")
+    """The tools offered: all of them unless tool_choice is "none" ("required" or a named one is not enforced)."""
+    tools, choice = body.get("tools") or [], body.get("tool_choice") or "auto"
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) for t in tools):
         raise APIError(400, "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools")
-    if choice in (None, "auto"):
-        return tools
-    if choice == "none":
-        return []
-    raise APIError(400, "tool_choice \"required\" or a named function is not enforced by this server (it would be "
-                        "a request the model may not follow): use \"auto\" or \"none\"", "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = "named"
+    return tool_choice(choice, tools)
+
+
+def _thinking(body: dict, kwargs: dict[str, Any]) -> Optional[bool]:
+    """The thinking switch: chat_template_kwargs.enable_thinking, else reasoning_effort ("none": off)."""
+    if "enable_thinking" in kwargs:
+        return None  # the template gets it as it was sent
+    return thinking_from_effort(body.get("reasoning_effort"), "reasoning_effort")
 
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:
@@ -103,17 +116,16 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "stream must be true or false", "stream")
+    stream = flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     return stream, bool(options.get("include_usage"))
 
 
-def parse(body: Any, chat: bool, tokenizer: Any, target: Any, defaults: Defaults) -> Completion:
+def parse(body: Any, chat: bool, model: Model) -> Completion:
     """Check a chat or text completion request the way OpenAI's API does; tokenize its prompt."""
+    tokenizer, target = model.tokenizer, model.target
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     _refuse_unsupported(body)
@@ -127,7 +139,7 @@ def parse(body: Any, chat: bool, tokenizer: Any, target: Any, defaults: Defaults
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise APIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
-        ids = chat_ids(tokenizer, turns, tools, None, kwargs, "messages")
+        ids = chat_ids(tokenizer, turns, tools, _thinking(body, kwargs), kwargs, "messages")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -138,12 +150,11 @@ def parse(body: Any, chat: bool, tokenizer: Any, target: Any, defaults: Defaults
         elif not isinstance(prompt, str) or not prompt:
             raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
         ids = encode_prompt(tokenizer, prompt)
-    where = "messages" if chat else "prompt"
-    max_tokens = budget(target, ids, body.get("max_completion_tokens", body.get("max_tokens")), defaults,
-                        "max_tokens", where)
+    max_tokens = budget(target, ids, body.get("max_completion_tokens", body.get("max_tokens")), model.defaults,
+                        "max_tokens")
     stream, include_usage = _stream_options(body)
-    return Completion(ids, max_tokens, sampling(body, defaults), stops(body.get("stop"), "stop", most=4), stream,
-                      include_usage, chat, tools, _logprobs(body, chat))
+    return Completion(ids, max_tokens, sampling(body, model.defaults), stops(body.get("stop"), "stop", most=4),
+                      stream, include_usage, chat, tools, _logprobs(body, chat), target.max_positions)
 
 
 def usage(done: dict[str, Any]) -> dict[str, Any]:
@@ -164,12 +175,41 @@ def chat_logprobs(tokenizer: Any, piece: dict[str, Any]) -> list[dict[str, Any]]
             for t, lp, top in zip(piece["tokens"], piece["logprobs"], piece["top"])]
 
 
-class ChatAnswer:
+def _head(prefix: str, model: Model) -> dict[str, Any]:
+    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model.name}
+
+
+class _Stream:
+    """What chat and text answers share: chunks as data-only events, OpenAI's error and usage chunks."""
+
+    kind = ""
+
+    def __init__(self, completion: Completion, model: Model, prefix: str):
+        self.head, self.completion, self.tokenizer = _head(prefix, model), completion, model.tokenizer
+
+    def _usage(self, done: dict[str, Any]) -> list[Event]:
+        if not self.completion.include_usage:
+            return []
+        return [(None, {**self.head, "object": self.kind, "choices": [], "usage": usage(done)})]
+
+    def _chunk(self, choice: dict[str, Any]) -> Event:
+        chunk = {**self.head, "object": self.kind, "choices": [choice]}
+        if self.completion.include_usage:
+            chunk["usage"] = None
+        return None, chunk
+
+    def failed(self, error: APIError) -> list[Event]:
+        return [(None, error.body())]
+
+
+class ChatAnswer(_Stream):
     """One chat completion's answer, built from the engine's pieces as they come: whole, or as chunks."""
 
-    def __init__(self, head: dict[str, Any], completion: Completion, tokenizer: Any):
-        self.head, self.completion, self.tokenizer = head, completion, tokenizer
-        self.reply = Reply(tokenizer, completion.ids, completion.tools)
+    kind = "chat.completion.chunk"
+
+    def __init__(self, completion: Completion, model: Model):
+        super().__init__(completion, model, "chatcmpl")
+        self.reply = Reply(self.tokenizer, completion.ids, completion.tools)
         self.content, self.reasoning, self.calls, self.logprobs = "", "", [], []
 
     def _call(self, call: ToolCall, index: int) -> dict[str, Any]:
@@ -190,36 +230,29 @@ class ChatAnswer:
                 deltas.append({"content": value})
         return deltas
 
-    def _chunk(self, delta: dict[str, Any], reason: Optional[str] = None, logprobs: Any = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": reason,
-                  "logprobs": None if logprobs is None else {"content": logprobs}}
-        chunk = {**self.head, "object": "chat.completion.chunk", "choices": [choice]}
-        if self.completion.include_usage:
-            chunk["usage"] = None
-        return chunk
+    def _delta(self, delta: dict[str, Any], reason: Optional[str] = None, logprobs: Any = None) -> Event:
+        return self._chunk({"index": 0, "delta": delta, "finish_reason": reason,
+                            "logprobs": None if logprobs is None else {"content": logprobs}})
 
-    def first(self) -> dict[str, Any]:
-        return self._chunk({"role": "assistant", "content": ""})
+    def start(self, prompt_tokens: int, cached: int) -> list[Event]:
+        return [self._delta({"role": "assistant", "content": ""})]
 
-    def add(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+    def add(self, piece: dict[str, Any]) -> list[Event]:
         """Chunks for one piece of generation (its tokens' logprobs ride on the first)."""
         deltas = self._deltas(self.reply.feed(piece["text"]))
         logprobs = chat_logprobs(self.tokenizer, piece) if self.completion.logprobs is not None else None
         if logprobs:
             self.logprobs += logprobs
             deltas = deltas or [{}]
-        return [self._chunk(d, logprobs=logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+        return [self._delta(d, logprobs=logprobs if i == 0 else None) for i, d in enumerate(deltas)]
 
     def finish_reason(self, done: dict[str, Any]) -> str:
         return "tool_calls" if self.calls and done["finish_reason"] == "stop" else done["finish_reason"]
 
-    def last(self, done: dict[str, Any]) -> list[dict[str, Any]]:
+    def last(self, done: dict[str, Any]) -> list[Event]:
         """The chunks that end the stream: what was held back, the finish reason, the usage if asked."""
-        chunks = [self._chunk(d) for d in self._deltas(self.reply.finish())]
-        chunks.append(self._chunk({}, self.finish_reason(done)))
-        if self.completion.include_usage:
-            chunks.append({**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage(done)})
-        return chunks
+        chunks = [self._delta(d) for d in self._deltas(self.reply.finish())]
+        return chunks + [self._delta({}, self.finish_reason(done))] + self._usage(done)
 
     def whole(self, done: dict[str, Any]) -> dict[str, Any]:
         """The non-streamed response, once every piece was added."""
@@ -234,11 +267,13 @@ class ChatAnswer:
         return {**self.head, "object": "chat.completion", "choices": [choice], "usage": usage(done)}
 
 
-class TextAnswer:
+class TextAnswer(_Stream):
     """One text completion's answer: the raw text (nothing split), and logprobs in the completions shape."""
 
-    def __init__(self, head: dict[str, Any], completion: Completion, tokenizer: Any):
-        self.head, self.completion, self.tokenizer = head, completion, tokenizer
+    kind = "text_completion"
+
+    def __init__(self, completion: Completion, model: Model):
+        super().__init__(completion, model, "cmpl")
         self.text, self.offset = "", 0
         self.logprobs: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
@@ -257,28 +292,26 @@ class TextAnswer:
             self.logprobs[key] += values
         return out
 
-    def _chunk(self, text: str, reason: Optional[str] = None, logprobs: Any = None) -> dict[str, Any]:
-        chunk = {**self.head, "object": "text_completion",
-                 "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}]}
-        if self.completion.include_usage:
-            chunk["usage"] = None
-        return chunk
+    def _text(self, text: str, reason: Optional[str] = None, logprobs: Any = None) -> Event:
+        return self._chunk({"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs})
 
-    def first(self) -> Optional[dict[str, Any]]:
-        return None
+    def start(self, prompt_tokens: int, cached: int) -> list[Event]:
+        return []
 
-    def add(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+    def add(self, piece: dict[str, Any]) -> list[Event]:
         self.text += piece["text"]
         logprobs = self._logprobs(piece)
-        return [self._chunk(piece["text"], logprobs=logprobs)] if piece["text"] or logprobs else []
+        return [self._text(piece["text"], logprobs=logprobs)] if piece["text"] or logprobs else []
 
-    def last(self, done: dict[str, Any]) -> list[dict[str, Any]]:
-        chunks = [self._chunk("", done["finish_reason"])]
-        if self.completion.include_usage:
-            chunks.append({**self.head, "object": "text_completion", "choices": [], "usage": usage(done)})
-        return chunks
+    def last(self, done: dict[str, Any]) -> list[Event]:
+        return [self._text("", done["finish_reason"])] + self._usage(done)
 
     def whole(self, done: dict[str, Any]) -> dict[str, Any]:
         choice = {"index": 0, "text": self.text, "finish_reason": done["finish_reason"],
                   "logprobs": self.logprobs if self.completion.logprobs is not None else None}
         return {**self.head, "object": "text_completion", "choices": [choice], "usage": usage(done)}
+
+
+CHAT = Dialect(("/v1/chat/completions", "/chat/completions"), lambda body, model: parse(body, True, model),
+               ChatAnswer, done="[DONE]")
+TEXT = Dialect(("/v1/completions",), lambda body, model: parse(body, False, model), TextAnswer, done="[DONE]")

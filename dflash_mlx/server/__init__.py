@@ -1,0 +1,15 @@
+"""`dflash-mlx serve`: OpenAI's, Anthropic's and the Responses API over one loaded pair, for chat apps, editors and
+coding agents (Claude Code, Codex CLI, Qwen Code).
+
+- ``engine``: the pair, its caches across requests, and the loop that runs them one at a time.
+- ``request``: what a request asks for (``Completion``), whichever API it came through, and ``Dialect``.
+- ``openai_api``, ``anthropic_api``, ``responses_api``: one module per API; a new one is one module and one
+  entry in ``app.DIALECTS``.
+- ``app``: the HTTP routes, streams with keep-alives, and the server's lifecycle.
+- ``prompt_cache``: many conversations' caches, in memory and on disk.
+"""
+
+from .app import create_app, serve
+from .engine import Engine
+
+__all__ = ["Engine", "create_app", "serve"]

@@ -1,0 +1,188 @@
+"""The loaded pair, its caches across requests, and the loop that runs requests one at a time.
+
+Requests wait in arrival order and run one at a time on the main thread, where the model
+was loaded; the HTTP server runs in a thread of its own and hands each request over as a
+``Job``. The engine reports into the job's asyncio queue: ``start`` when it takes the
+request (with how much of the prompt the caches already hold), then ``piece`` after piece
+(text, tokens and, if asked, logprobs), then ``done`` or ``error``. A client that
+disconnects cancels its request at the next cycle (or prefill chunk): the engine closes
+the generator, which abandons the cycle in flight, so the caches stay valid and the next
+request reuses the prompt they hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..cache_files import fingerprint
+from ..caches import make_cache
+from ..distributed import from_main, from_main_bytes
+from ..errors import DFlashError
+from ..generate import GenerationResponse, GenerationResult, stream_generate
+from .metrics import Metrics
+from .prompt_cache import PromptCache
+from .request import APIError, Completion, Defaults
+
+
+@dataclass
+class Job:
+    """One request in the queue; the worker reports into ``events`` on the handler's loop."""
+
+    completion: Completion
+    loop: Optional[asyncio.AbstractEventLoop]  # None: a rank > 0 of a sharded target, which answers nobody
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, kind: str, value: Any) -> None:
+        if self.loop is None:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the server is shutting down and its loop is closed
+            pass
+
+
+class Engine:
+    """The loaded pair, its caches across requests, and the loop that runs requests one at a time.
+
+    ``run`` is called on the main thread (the HTTP server runs in another): MLX work
+    stays on the thread that loaded the model, and Ctrl-C lands in the generation
+    it interrupts, which abandons its cycle as any interrupted generation does.
+    """
+
+    def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
+                 sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
+                 defaults: Defaults = Defaults(), cache_entries: int = 10, cache_bytes: Optional[int] = None,
+                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None, draft_source: str = "auto"):
+        self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
+        self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size,
+                            draft_source=draft_source)
+        self.defaults = defaults
+        cache = make_cache(target, drafter, window, sinks, block_size)
+        if target.group is not None and (cache_dir is not None or cache_bytes is not None):
+            # Every rank must choose the same entry: by count alone (a rank's bytes are its share's).
+            raise DFlashError("a sharded target keeps its prompt cache by entry count only: drop --prompt-cache-dir "
+                              "and --prompt-cache-bytes under mlx.launch")
+        print_ = fingerprint(target, drafter, window, sinks, cache.block_size) if cache_dir is not None else None
+        self.store = PromptCache(cache, cache_entries, cache_bytes, cache_dir, cache_disk_bytes, print_)
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.cancelled = 0  # requests whose client left before they finished
+        self.metrics = Metrics()
+
+    def run(self, serving: Callable[[], bool]) -> None:
+        """Answer queued requests in order while ``serving()`` holds.
+
+        With a sharded target this is rank 0, which hands each request to the other
+        ranks (``follow``) before running it, and tells them to stop when it stops.
+        """
+        try:
+            while serving():
+                try:
+                    job = self.jobs.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if job.cancelled.is_set():
+                    self.cancelled += 1
+                    job.report("done", None)
+                    continue
+                self._mirror(job.completion)
+                self._answer(job)
+        finally:
+            self._mirror(None)
+            self.store.close()  # what was kept is on disk before the process ends
+
+    @property
+    def cache(self) -> Any:
+        """The caches requests generate with (the prompt cache restores entries into it)."""
+        return self.store.cache
+
+    def follow(self) -> None:
+        """Ranks > 0 of a sharded target: run the requests rank 0 hands over, until it stops."""
+        while (completion := self._mirror(None)) is not None:
+            self._answer(Job(completion, None))
+
+    def _mirror(self, completion: Optional[Completion]) -> Optional[Completion]:
+        """Rank 0's next request (None: stop), on every rank of a sharded target; a no-op on one machine.
+
+        Only what decides the tokens travels (``Completion.SHARED``).
+        """
+        if self.target.group is None:
+            return completion
+        received = from_main_bytes(b"" if completion is None else completion.shared(), self.target.group)
+        return Completion.from_shared(received) if received else None
+
+    def _answer(self, job: Job) -> None:
+        try:
+            self._run(job)
+        except DFlashError as e:
+            job.report("error", APIError(400, str(e)))
+        except KeyboardInterrupt:
+            job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
+            raise
+        except Exception as e:  # a bug must not take the server down with it
+            job.report("error", APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+    def _cancelled(self, job: Job) -> bool:
+        """Whether the client left; with a sharded target rank 0's answer, so that every rank stops together."""
+        if self.target.group is None:
+            return job.cancelled.is_set()
+        return from_main([float(job.cancelled.is_set())], self.target.group)[0] > 0
+
+    def _run(self, job: Job) -> None:
+        c = job.completion
+
+        def prefilling(done: int, total: int) -> None:  # between prefill chunks: stop if the client left
+            if done == 0:  # the first call: what the caches held is known
+                job.report("start", {"prompt_tokens": len(c.ids), "cached_tokens": len(c.ids) - total})
+            if self._cancelled(job):
+                raise _ClientLeft
+            if done == total:
+                self.store.prompt_done()
+
+        self.store.prepare(c.ids)
+        started = time.perf_counter()
+        responses = stream_generate(
+            self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, cache=self.cache, stop=c.stop,
+            logprobs=c.logprobs, prompt_progress_callback=prefilling, **self.options, **c.sampling,
+        )
+        seen: list[GenerationResponse] = []
+        ttft = 0.0
+        try:
+            for r in responses:
+                if not seen:
+                    ttft = time.perf_counter() - started
+                seen.append(r)
+                job.report("piece", {"text": r.text, "tokens": r.tokens, "logprobs": r.logprobs, "top": r.top_logprobs})
+                if r.finish_reason:
+                    break
+                if self._cancelled(job):
+                    raise _ClientLeft
+        except _ClientLeft:
+            self.cancelled += 1
+        finally:
+            responses.close()  # leaves the caches holding the committed history
+            self.store.keep()
+        if not seen or not seen[-1].finish_reason:
+            job.report("done", None)
+            return
+        run = GenerationResult.from_responses(seen)
+        self.metrics.record(run, ttft)
+        job.report("done", {
+            "finish_reason": run.finish_reason, "stop_sequence": run.stop_sequence,
+            "prompt_tokens": run.prompt_tokens, "cached_tokens": run.prompt_cached, "completion_tokens": len(run.tokens),
+            "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate,
+                       "sources": run.by_source},
+            "decode_tps": run.generation_tps,
+        })
+
+
+class _ClientLeft(Exception):
+    """Raised inside a generation (prefill included) whose client is gone: the generator abandons its cycle."""
+
+
