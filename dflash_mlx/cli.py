@@ -545,9 +545,13 @@ def bench(
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup and tau vs context and the acceptance histogram (PNG)."),
     force: bool = typer.Option(False, "--force", help="Replace existing --json and --plot files."),
     score: bool = typer.Option(False, "--score", help="HumanEval/MBPP: run each completion's tests and report pass@1, "
-                               "plain and dflash. This EXECUTES MODEL-WRITTEN CODE on this machine (a subprocess per "
-                               "program: timeout, no network, empty temporary folder; not a security sandbox)."),
+                               "plain and dflash. This EXECUTES MODEL-WRITTEN CODE on this machine, each program in the "
+                               "operating system's sandbox (bubblewrap or unshare, sandbox-exec): no network, no "
+                               "writes outside an empty folder, a timeout; see the README for what remains)."),
     score_timeout: float = typer.Option(10.0, "--score-timeout", help="Seconds each program may run under --score."),
+    score_unisolated: bool = typer.Option(False, "--score-unisolated", help="Where no sandbox works (bubblewrap or "
+                                          "unshare on Linux, sandbox-exec on macOS), run --score's programs anyway, "
+                                          "unconfined but for a timeout and limits."),
 ) -> None:
     """Measure DFlash against plain decoding of the same target, prompt by prompt, side by side.
 
@@ -557,6 +561,7 @@ def bench(
 
     from . import bench as b
     from .loader import load
+    from .score import confinement, unisolated
 
     _check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
     if repeats < 1 or num_prompts < 1:
@@ -565,6 +570,8 @@ def bench(
         raise DFlashError("--score needs --dataset humaneval or mbpp (their prompts carry tests), without --prompt-tokens")
     if score_timeout <= 0:
         raise DFlashError(f"--score-timeout must be above 0, got {score_timeout:g}")
+    if score and distributed.is_main():  # the only rank that runs the programs
+        confinement(score_unisolated)  # refuses before minutes of decoding
     if distributed.is_main():  # the only rank that writes
         b.check_outputs({"--json": json_out, "--plot": plot_out}, force)
     if plot_out:
@@ -626,7 +633,7 @@ def bench(
     lossless = True
     if score and distributed.is_main():  # after the gather: a Ctrl-C here stops this rank alone
         try:
-            with err.status("running the completions' tests"):
+            with err.status("running the completions' tests"), unisolated(score_unisolated):
                 report["score"] = b.score(records, conversations, tokenizer, score_timeout)
             lossless = b.print_score(report["score"], temperature, console)
         except KeyboardInterrupt:  # the measurements are still written

@@ -3,7 +3,8 @@
 Token equality at temperature 0 says DFlash changed nothing; this says the same of what
 the code does, and at temperature > 0 (where the tokens differ) it is the check that the
 two distributions solve as many problems, within the sampling noise. Each program runs in
-its own interpreter (sandbox.py) with a timeout, as the HumanEval harness does.
+its own interpreter in a sandbox the operating system enforces (sandbox.py), with a timeout;
+where none works, only with ``--score-unisolated``.
 """
 
 from __future__ import annotations
@@ -11,19 +12,21 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
+
+from . import sandbox
+from .errors import DFlashError
+from .sandbox import Jail, Outcome
 
 # The Codex paper's stop sequences: a completion of a function body ends where top-level code starts.
 STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 MBPP_PROMPT = "You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:\n\n{tests}\n"
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+_UNISOLATED: ContextVar[bool] = ContextVar("unisolated", default=False)
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,6 @@ class Problem:
     prompt: str
     test: str
     entry_point: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class Outcome:
-    passed: bool
-    detail: str  # "passed", "timed out after 10 s", or the exception that stopped the program
 
 
 def humaneval_problems() -> list[Problem]:
@@ -91,35 +88,39 @@ def program(problem: Problem, completion: str) -> str:
     return f"{body}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
 
 
-def run(source: str, timeout: float) -> Outcome:
-    """Runs a program in a fresh interpreter in an empty temporary folder; the whole process group dies at the timeout."""
-    with tempfile.TemporaryDirectory(prefix="dflash-score-") as folder:
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1"}
-        child = subprocess.Popen(
-            [sys.executable, "-I", str(Path(__file__).with_name("sandbox.py")), str(math.ceil(timeout) + 1)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=folder, env=env,
-            start_new_session=True, text=True,
-        )
-        try:
-            out, err = child.communicate(source, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.communicate()
-            return Outcome(False, f"timed out after {timeout:g} s")
-    if child.returncode == 0 and out.strip().endswith("passed"):
-        return Outcome(True, "passed")
-    lines = err.strip().splitlines()
-    return Outcome(False, lines[-1] if lines else f"exit status {child.returncode}")
+@contextmanager
+def unisolated(allowed: bool = True) -> Iterator[None]:
+    """Within it, ``compare`` runs the programs unconfined where no sandbox works (``--score-unisolated``).
+
+    A context rather than a parameter: the CLI's flag reaches ``compare`` through ``bench.score``.
+    """
+    token = _UNISOLATED.set(allowed)
+    try:
+        yield
+    finally:
+        _UNISOLATED.reset(token)
 
 
-def run_all(sources: Iterable[str], timeout: float, jobs: Optional[int] = None) -> list[Outcome]:
+def confinement(allow_unisolated: bool, path: Optional[str] = None) -> Optional[Jail]:
+    """The sandbox the programs will run in (None: unconfined, as allowed); a one-line refusal when none works.
+
+    ``path`` is where to look for the tools (default $PATH).
+    """
+    found = sandbox.isolation(path)
+    if found is None and not allow_unisolated:
+        raise DFlashError("--score runs model-written code and no sandbox works here (Linux: bubblewrap, or unshare "
+                          "with unprivileged user namespaces; macOS: sandbox-exec): install bubblewrap, or pass "
+                          "--score-unisolated to run it with only a timeout and limits")
+    return found
+
+
+def run_all(sources: Iterable[str], timeout: float, jail: Optional[Jail], jobs: Optional[int] = None) -> list[Outcome]:
     """Each program once (equal sources share their outcome), ``jobs`` at a time."""
     sources = list(sources)
     distinct = list(dict.fromkeys(sources))
     pool = ThreadPoolExecutor(jobs or os.cpu_count() or 1)
     try:
-        outcomes = dict(zip(distinct, pool.map(lambda s: run(s, timeout), distinct)))
+        outcomes = dict(zip(distinct, pool.map(lambda s: sandbox.run(s, timeout, jail), distinct)))
     finally:  # on Ctrl-C, programs not started never start; those running end at their timeout
         pool.shutdown(wait=False, cancel_futures=True)
     return [outcomes[s] for s in sources]
@@ -149,12 +150,13 @@ def paired_difference(plain: list[bool], dflash: list[bool], z: float = 1.96) ->
 
 def compare(problems: list[Problem], plain: list[str], dflash: list[str], timeout: float,
             jobs: Optional[int] = None) -> dict[str, Any]:
-    """pass@1 of both paths over the same problems, each program run with ``timeout``."""
+    """pass@1 of both paths over the same problems, each program run with ``timeout`` in the sandbox found here."""
+    jail = confinement(_UNISOLATED.get())
     outcomes = run_all([program(p, c) for p, c in zip(problems, plain)]
-                       + [program(p, c) for p, c in zip(problems, dflash)], timeout, jobs)
+                       + [program(p, c) for p, c in zip(problems, dflash)], timeout, jail, jobs)
     n = len(problems)
     paths = {"plain": outcomes[:n], "dflash": outcomes[n:]}
-    summary: dict[str, Any] = {"problems": n, "timeout_s": timeout}
+    summary: dict[str, Any] = {"problems": n, "timeout_s": timeout, "sandbox": jail.kind if jail else None}
     for path, got in paths.items():
         passed = sum(o.passed for o in got)
         lo, hi = wilson(passed, n)
