@@ -2,10 +2,12 @@
 
 The server's prompt cache (``server.prompt_cache``) keeps conversations here across
 restarts, and chat's ``/save`` keeps one beside the conversation it saves. The header
-names what a file belongs to (``fingerprint``: the target's and drafter's files, dtype
-and quantization, window, sinks, block size and this format's version) and carries a
-checksum of every array; a file that is truncated, corrupted, from another model or
-another version is refused with a ValueError that says why, never loaded.
+names what a file belongs to (``fingerprint``: the target's and drafter's configs and
+weight files, read far enough to tell a rewrite from the original, dtype and
+quantization, window, sinks, block size and this format's version) and carries a
+checksum of every array and one of itself and the token history; a file that is
+truncated, corrupted, from another model or another version is refused with a
+ValueError that says why, never loaded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import base64
 import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,22 +26,48 @@ import numpy as np
 from .caches import CacheState
 from .errors import DFlashError
 
-FORMAT = 1  # of the files: a change to what they hold gets a new number, and old files are left alone
+FORMAT = 2  # of the files: a change to what they hold gets a new number, and old files are left alone
+TEMPORARY = ".tmp.safetensors"  # how the name of a file being written ends (it starts with a dot)
+SAMPLES, SAMPLE_BYTES = 8, 1 << 16  # blocks of each weight file's data that its fingerprint reads
 
 
 def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, block_size: int) -> str:
-    """What a cache belongs to: the pair's files (configs, weight files' names and sizes), the target's dtype and
-    feature layers, and the cache settings. Caches of another model, or other settings, never match."""
+    """What a cache belongs to: the pair's files (configs, weight files), the target's dtype and feature layers,
+    and the cache settings. Caches of another model, of other weights in the same folder, or of other settings never
+    match. Tokenizer files are left out: a cache maps token ids to the model's state, whatever text made them."""
     def files(folder: Optional[Path], what: str) -> dict[str, Any]:
         if folder is None:
             raise DFlashError(f"a cache on disk needs to know the {what}'s files: load the pair with dflash_mlx.load")
         weights = sorted(folder.glob("*.safetensors"))
-        return {"config": (folder / "config.json").read_text(), "weights": [(f.name, f.stat().st_size) for f in weights]}
+        return {"config": (folder / "config.json").read_text(), "weights": [_weight_file(f) for f in weights]}
 
     parts = {"format": FORMAT, "target": files(getattr(target, "source", None), "target"),
              "drafter": files(getattr(drafter, "source", None), "drafter"), "layers": list(target.layer_ids),
              "dtype": str(target.dtype), "window": window, "sinks": sinks, "block_size": block_size}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _weight_file(path: Path) -> list[Any]:
+    """A weight file as far as a fingerprint can afford to read it (a few blocks, even of 100 GB of weights): its
+    name, size, mtime and inode (any rewrite changes one), and a hash of its safetensors header and of ``SAMPLES``
+    blocks of its data at fixed offsets (a fine-tune copied over it with its mtime kept, ``cp -p``, still differs)."""
+    stat = path.stat()
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        start = start if start <= stat.st_size else 0  # not safetensors after all: sample the whole file
+        f.seek(0)
+        digest.update(f.read(start))
+        span = max(stat.st_size - start - SAMPLE_BYTES, 0)
+        for k in range(SAMPLES):
+            f.seek(start + span * k // (SAMPLES - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+    return [path.name, stat.st_size, stat.st_mtime_ns, stat.st_ino, digest.hexdigest()]
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a file ``write_state`` is writing (or a writer that died left behind)."""
+    return path.name.startswith(".") and path.name.endswith(TEMPORARY)
 
 
 def _checksum(a: mx.array) -> int:
@@ -56,7 +85,10 @@ def _names(state: CacheState) -> dict[str, mx.array]:
 
 
 def write_state(path: Path, state: CacheState, print_: str, extra: Optional[dict[str, Any]] = None) -> int:
-    """``state`` as one safetensors file at ``path``, atomically; its size in bytes."""
+    """``state`` as one safetensors file at ``path``, atomically; its size in bytes.
+
+    The temporary file's name is this process's own (pid and a random part): two servers sharing a folder may
+    write the same entry at once, and neither must rename or remove the other's half-written file."""
     arrays = _names(state)
     mx.eval(list(arrays.values()))
     header = {
@@ -65,14 +97,54 @@ def write_state(path: Path, state: CacheState, print_: str, extra: Optional[dict
                                                    "drafter": [[k, m, len(a)] for k, a, m in state.drafter]},
         "checksums": {name: _checksum(a) for name, a in arrays.items()}, "extra": extra or {},
     }
-    tokens = base64.b64encode(np.asarray(state.tokens, dtype="<i4").tobytes()).decode()
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
+    history = np.asarray(state.tokens, dtype="<i4").tobytes()
+    header["checksum"] = _sign(header, history)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TEMPORARY}")
     try:
-        mx.save_safetensors(str(tmp), arrays, metadata={"dflash": json.dumps(header), "tokens": tokens})
+        mx.save_safetensors(str(tmp), arrays, metadata={"dflash": json.dumps(header),
+                                                        "tokens": base64.b64encode(history).decode()})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path.stat().st_size
+
+
+def _sign(header: dict[str, Any], history: bytes) -> str:
+    """The header's own checksum (over all of it but this field) and the token history's: one flipped bit in either
+    would otherwise resume a request from caches of other tokens."""
+    fields = json.dumps({k: v for k, v in header.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(fields.encode() + history).hexdigest()
+
+
+def _layout_names(layout: dict[str, Any]) -> set[str]:
+    """The arrays a layout says the file holds (``context`` apart)."""
+    return {f"{prefix}{i}.{j}" for part, prefix in (("target", "t"), ("drafter", "d"))
+            for i, (_, _, n) in enumerate(layout[part]) for j in range(n)}
+
+
+def _check_fields(header: dict[str, Any]) -> None:
+    """ValueError unless every field ``read_state`` uses has its type and the layout names the stored arrays: a
+    crafted file, or one of a buggy writer, is refused here rather than failing (or worse) wherever it is used."""
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def is_layers(layers: Any) -> bool:
+        return isinstance(layers, list) and all(
+            isinstance(layer, list) and len(layer) == 3 and isinstance(layer[0], str) and isinstance(layer[1], dict)
+            and all(isinstance(k, str) and is_int(v) for k, v in layer[1].items())
+            and is_int(layer[2]) and layer[2] >= 0
+            for layer in layers)
+
+    layout, sums = header.get("layout"), header.get("checksums")
+    checks = {"window": header.get("window") is None or is_int(header.get("window")),
+              "sinks": is_int(header.get("sinks")), "block_size": is_int(header.get("block_size")),
+              "extra": isinstance(header.get("extra"), dict),
+              "layout": isinstance(layout, dict) and all(is_layers(layout.get(part)) for part in ("target", "drafter")),
+              "checksums": isinstance(sums, dict) and all(is_int(v) for v in sums.values())}
+    if bad := [name for name, ok in checks.items() if not ok]:
+        raise ValueError(f"damaged header (its {', '.join(bad)})")
+    if set(sums) - {"context"} != _layout_names(layout):
+        raise ValueError("damaged header (its layout does not name the arrays it holds)")
 
 
 def read_header(path: Path, print_: str) -> tuple[list[int], dict[str, Any]]:
@@ -87,11 +159,17 @@ def read_header(path: Path, print_: str) -> tuple[list[int], dict[str, Any]]:
     try:
         metadata = json.loads(raw)["__metadata__"]
         header = json.loads(metadata["dflash"])
-        tokens = np.frombuffer(base64.b64decode(metadata["tokens"]), dtype="<i4").tolist()
+        history = base64.b64decode(metadata["tokens"])
+        tokens = np.frombuffer(history, dtype="<i4").tolist()
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"not a dflash-mlx cache file ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"not a dflash-mlx cache file (its header is a JSON {type(header).__name__}, not an object)")
     if header.get("format") != FORMAT:
         raise ValueError(f"written by another version (format {header.get('format')}, this one reads {FORMAT})")
+    if header.get("checksum") != _sign(header, history):
+        raise ValueError("corrupted (its header or token history does not match its checksum)")
+    _check_fields(header)
     if header.get("fingerprint") != print_:
         raise ValueError("made for another model or other settings")
     return tokens, header
@@ -109,7 +187,7 @@ def read_state(path: Path, print_: str) -> tuple[CacheState, dict[str, Any]]:
         raise ValueError("corrupted (its arrays do not match their checksums)")
 
     def layers(part: str, prefix: str) -> list:
-        return [(kind, [arrays[f"{prefix}{i}.{j}"] for j in range(n)], {k: int(v) for k, v in meta.items()})
+        return [(kind, [arrays[f"{prefix}{i}.{j}"] for j in range(n)], meta)
                 for i, (kind, meta, n) in enumerate(header["layout"][part])]
 
     state = CacheState(tokens, layers("target", "t"), layers("drafter", "d"), arrays.get("context"), header["window"],

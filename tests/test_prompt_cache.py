@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import httpx2 as httpx
+import mlx.core as mx
+import numpy as np
 import pytest
 
-from dflash_mlx import fixtures, generate, load, make_cache
+from dflash_mlx import cache_files, fixtures, generate, load, make_cache
 from dflash_mlx.chat_template import render
-from dflash_mlx.cache_files import FORMAT, fingerprint
-from dflash_mlx.server.prompt_cache import PromptCache
+from dflash_mlx.cache_files import FORMAT, TEMPORARY, fingerprint, is_temporary, read_header, read_state, write_state
+from dflash_mlx.server.prompt_cache import STALE_WRITE, PromptCache
 from helpers import finish, start_server
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
@@ -138,6 +143,33 @@ def test_a_restart_resumes_from_disk_with_the_same_drafts(layouts, tmp_path):
         restarted.close()
 
 
+def _rewrite(path: Path, edit, sign: bool) -> None:
+    """The file with ``edit(header, tokens)`` applied to its header and history (re-signed as a writer would
+    sign them where ``sign``: a crafted file, or a buggy writer's; else as a flipped bit leaves them)."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    outer = json.loads(data[8 : 8 + size])
+    header = json.loads(outer["__metadata__"]["dflash"])
+    tokens = np.frombuffer(base64.b64decode(outer["__metadata__"]["tokens"]), dtype="<i4").copy()
+    header = edit(header, tokens)
+    if sign:
+        header["checksum"] = cache_files._sign(header, tokens.tobytes())
+    outer["__metadata__"] |= {"dflash": json.dumps(header), "tokens": base64.b64encode(tokens.tobytes()).decode()}
+    raw = json.dumps(outer).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + size :])
+
+
+def _flip_token(header: dict, tokens: np.ndarray) -> dict:
+    tokens[len(tokens) // 2] ^= 1
+    return header
+
+
+def _shift_layer(header: dict, tokens: np.ndarray) -> dict:
+    header["layout"]["target"][0][1]["offset"] += 1
+    return header
+
+
 def _damaged(path: Path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncated":
@@ -147,19 +179,30 @@ def _damaged(path: Path, how: str) -> None:
         path.write_bytes(bytes(data))
     elif how == "garbage":
         path.write_bytes(b"not a cache at all")
-    elif how in ("version", "foreign"):
-        size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + size])
-        inner = json.loads(header["__metadata__"]["dflash"])
-        inner["format" if how == "version" else "fingerprint"] = FORMAT + 1 if how == "version" else "0" * 64
-        header["__metadata__"]["dflash"] = json.dumps(inner)
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data[8 + size :]))
+    elif how == "version":  # an older or newer version's file: not signed as this one signs
+        _rewrite(path, lambda header, _: header | {"format": FORMAT + 1}, sign=False)
+    elif how == "foreign":
+        _rewrite(path, lambda header, _: header | {"fingerprint": "0" * 64}, sign=True)
+    elif how == "token":
+        _rewrite(path, _flip_token, sign=False)
+    elif how == "header":
+        _rewrite(path, _shift_layer, sign=False)
+    elif how == "not an object":
+        _rewrite(path, lambda header, _: list(header), sign=False)
+    elif how == "mistyped":
+        _rewrite(path, lambda header, _: header | {"layout": {"target": "full", "drafter": []}}, sign=True)
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "garbage", "version", "foreign"])
+REASONS = {"version": "another version", "foreign": "another model", "token": "does not match its checksum",
+           "header": "does not match its checksum", "not an object": "not an object", "mistyped": "its layout"}
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "garbage", "version", "foreign", "token", "header",
+                                 "not an object", "mistyped"])
 def test_a_damaged_or_foreign_file_is_ignored_in_one_line(layouts, tmp_path, caplog, how):
+    """Whatever is wrong with a file, a restart ignores it with one line that says why, and serves cold: a flipped
+    token id or header field (the header and history are checksummed too), a header that is JSON but not an
+    object or has a field of the wrong type (a server that crashed on it would not start)."""
     pair = layouts["full"]
     target, drafter, tokenizer, window, _ = pair
     store = _store(pair, tmp_path)
@@ -175,6 +218,124 @@ def test_a_damaged_or_foreign_file_is_ignored_in_one_line(layouts, tmp_path, cap
     assert out.tokens == generate(target, drafter, tokenizer, ids, max_tokens=12, block_size=BLOCK).tokens
     warnings = [r.getMessage() for r in caplog.records if "prompt cache: ignoring" in r.getMessage()]
     assert len(warnings) == 1 and str(path) in warnings[0] and "\n" not in warnings[0]
+    assert REASONS.get(how, "") in warnings[0], warnings[0]
+    restarted.close()
+
+
+def test_caches_that_do_not_fit_are_dropped_and_the_request_goes_on_cold(layouts, tmp_path, caplog):
+    """A file that passes every check and still cannot be restored (here a writer's bug: a layer that holds one
+    token more than the history) is dropped with one line; the request that met it, and the next with its prefix,
+    are served, and correctly, not refused (as they were, every one, while the entry stayed)."""
+    pair = layouts["full"]
+    target, drafter, tokenizer, window, _ = pair
+    store = _store(pair, tmp_path)
+    _, first = _ask(pair, store, _conversation("A", 1, {}))
+    store.close()
+    [path] = list(store.directory.glob("*.safetensors"))
+    state, _ = read_state(path, store.fingerprint)
+    kind, arrays, meta = state.target[0]
+    state.target[0] = (kind, arrays, meta | {"offset": meta["offset"] + 1})
+    write_state(path, state, store.fingerprint)
+    caplog.set_level(logging.WARNING, logger="dflash_mlx.serve")
+    restarted = _store(pair, tmp_path)
+    messages = _conversation("A", 1, {}) + [{"role": "assistant", "content": first.text},
+                                            {"role": "user", "content": "and then?"}]
+    ids, out = _ask(pair, restarted, messages)
+    cold = generate(target, drafter, tokenizer, ids, max_tokens=12, block_size=BLOCK).tokens
+    assert out.prompt_cached == 0 and out.tokens == cold
+    warnings = [r.getMessage() for r in caplog.records if "prompt cache: dropping" in r.getMessage()]
+    assert len(warnings) == 1 and str(path) in warnings[0] and "\n" not in warnings[0]
+    assert path not in [e.path for e in restarted.entries] and not path.exists()
+    _, again = _ask(pair, restarted, messages)
+    assert again.tokens == cold and again.prompt_cached > 0  # from the entry the cold request kept
+    restarted.close()
+
+
+@pytest.mark.parametrize("mtime", ["changed", "kept"])
+def test_weights_rewritten_in_place_never_meet_their_old_caches(layouts, tmp_path, mtime):
+    """Other weights of the same names and sizes saved over the target's (a fine-tune, a re-export): the caches made
+    with the old ones are not used after a restart, even where the copy kept the old mtime and inode (``cp -p`` over
+    the file), and the reply is the new weights' own."""
+    folder = tmp_path / "pair"
+    shutil.copytree(layouts["full"][4], folder)
+    pair = (*load(str(folder / "draft"), str(folder / "target")), None, folder)
+    store = _store(pair, tmp_path / "caches")
+    _, first = _ask(pair, store, _conversation("A", 1, {}))
+    store.close()
+    [old] = list(store.directory.glob("*.safetensors"))
+    for f in sorted((folder / "target").glob("*.safetensors")):
+        before, data = f.stat(), f.read_bytes()
+        start = 8 + int.from_bytes(data[:8], "little")
+        assert {t["dtype"] for name, t in json.loads(data[8:start]).items() if name != "__metadata__"} == {"F32"}
+        with f.open("r+b") as out:  # into the file (same inode), under the same safetensors header
+            out.seek(start)
+            out.write((np.frombuffer(data[start:], dtype="<f4") + np.float32(0.01)).tobytes())
+        if mtime == "kept":
+            os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = f.stat()
+        assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
+        assert mtime == "changed" or after.st_mtime_ns == before.st_mtime_ns
+    pair = (*load(str(folder / "draft"), str(folder / "target")), None, folder)  # the restart
+    target, drafter, tokenizer, _, _ = pair
+    restarted = _store(pair, tmp_path / "caches")
+    with pytest.raises(ValueError, match="another model"):
+        read_header(old, restarted.fingerprint)
+    assert not restarted.entries
+    ids, out = _ask(pair, restarted, _conversation("A", 1, {}) + [{"role": "assistant", "content": first.text},
+                                                                  {"role": "user", "content": "and then?"}])
+    assert out.prompt_cached == 0
+    assert out.tokens == generate(target, drafter, tokenizer, ids, max_tokens=12, block_size=BLOCK).tokens
+    restarted.close()
+
+
+def test_each_write_has_a_temporary_name_of_its_own(layouts, tmp_path, monkeypatch):
+    """Two servers sharing a folder may write the same entry at once: with one temporary name, one would rename
+    the other's half-written file into place, or remove it."""
+    pair = layouts["full"]
+    store = _store(pair)
+    _ask(pair, store, _conversation("A", 1, {}))
+    written = []
+    save = mx.save_safetensors
+    monkeypatch.setattr(mx, "save_safetensors", lambda path, *a, **k: (written.append(Path(path)), save(path, *a, **k)))
+    print_ = fingerprint(pair[0], pair[1], pair[3], 0, BLOCK)
+    for _ in range(2):
+        write_state(tmp_path / "entry.safetensors", store.entries[-1].state, print_)
+    assert len(set(written)) == 2 and all(is_temporary(p) and f".{os.getpid()}-" in p.name for p in written)
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.safetensors"]
+
+
+def _with_writes(pair, directory: Path) -> tuple[Path, Path, int]:
+    """A folder with one entry, a write another server has in progress and one a dead writer left; the entry's size."""
+    store = _store(pair, directory)
+    _ask(pair, store, _conversation("A", 1, {}))
+    store.flush()
+    store.close()
+    [entry] = list(store.directory.glob("*.safetensors"))
+    live = store.directory / f".{'a' * 32}.safetensors.4242-0123abcd{TEMPORARY}"
+    dead = store.directory / f".{'b' * 32}.safetensors.4243-4567cdef{TEMPORARY}"
+    for f, age in ((live, STALE_WRITE / 2), (dead, STALE_WRITE + 60)):
+        f.write_bytes(b"\0" * 4096)
+        os.utime(f, (time.time() - age, time.time() - age))
+    return live, dead, entry.stat().st_size
+
+
+def test_a_start_removes_only_a_dead_writers_temporary_file(layouts, tmp_path):
+    pair = layouts["full"]
+    live, dead, _ = _with_writes(pair, tmp_path)
+    restarted = _store(pair, tmp_path)
+    assert live.exists() and not dead.exists() and len(restarted.entries) == 1
+    restarted.close()
+
+
+def test_stats_and_the_disk_cap_leave_files_being_written_alone(layouts, tmp_path):
+    """Another server's write in progress is not an entry: not counted, and not trimmed (the oldest file here)."""
+    pair = layouts["full"]
+    live, _, size = _with_writes(pair, tmp_path)
+    restarted = _store(pair, tmp_path, max_disk_bytes=int(1.5 * size))
+    assert restarted.stats()["disk_entries"] == 1 and restarted.stats()["disk_bytes"] == size
+    _ask(pair, restarted, _conversation("B", 1, {}))
+    restarted.flush()
+    assert live.exists() and restarted.stats()["disk_entries"] == 1
     restarted.close()
 
 

@@ -11,10 +11,15 @@ so for those an entry is also kept where the prompt ends.
 On disk (``serve --prompt-cache-dir``) an entry is one safetensors file, written in a
 thread of its own after the request that made it (the next request does not wait) and
 renamed into place whole. Its header names what it belongs to (``fingerprint``: the
-target's and drafter's files, dtype and quantization, window, sinks, block size and this
-format's version) and carries a checksum of every array; a file that is truncated,
-corrupted, from another model or another version is ignored with one log line, never
-loaded. Files are read only when a request matches them; the oldest go beyond a size cap.
+target's and drafter's configs and weight files, read far enough to tell a rewrite from
+the original, dtype and quantization, window, sinks, block size and this format's
+version) and carries checksums of every array, of itself and of the token history; a
+file that is truncated, corrupted, from another model or another version is ignored with
+one log line, never loaded, and one whose caches still do not fit is dropped when a
+request meets it (the request goes on cold). Files are read only when a request matches
+them; the oldest go beyond a size cap. Several servers may share a folder: each writes
+under a temporary name of its own, and only a temporary file nobody has written to for
+``STALE_WRITE`` seconds (its writer died) is removed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,11 +37,13 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..cache_files import FORMAT, read_header, read_state, write_state
+from ..cache_files import FORMAT, TEMPORARY, is_temporary, read_header, read_state, write_state
 from ..caches import CacheState, DFlashCache
 from ..errors import DFlashError
 
 log = logging.getLogger("dflash_mlx.serve")
+
+STALE_WRITE = 600  # seconds: a live writer's temporary file keeps growing; one untouched this long is a dead one's
 
 
 def usable(tokens: list[int], rewindable: bool, ids: list[int]) -> int:
@@ -87,18 +95,15 @@ class PromptCache:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise DFlashError(f"cannot use {self.directory} for the prompt cache: {e.strerror or e}") from None
-        files = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
-        for path in files:
-            if path.name.startswith("."):  # a write that never finished
-                path.unlink(missing_ok=True)
-                continue
+        _remove_dead_writes(self.directory)
+        for path, stat in _files(self.directory):
             try:
                 tokens, header = read_header(path, self.fingerprint)
             except (OSError, ValueError) as e:
                 log.warning("prompt cache: ignoring %s: %s", path, e)
                 continue
             rewindable = all(kind == "full" for kind, _, _ in header["layout"]["target"] + header["layout"]["drafter"])
-            self.entries.append(Entry(tokens, None, rewindable, self._tick(), path, path.stat().st_size))
+            self.entries.append(Entry(tokens, None, rewindable, self._tick(), path, stat.st_size))
         self._writes = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="dflash-mlx prompt cache", daemon=True)
         self._writer.start()
@@ -117,7 +122,14 @@ class PromptCache:
             state = entry.state if entry.state is not None else self._read(entry)
             if state is None:
                 continue  # unreadable: dropped, try the next best
-            self.cache.restore(state)
+            try:
+                self.cache.restore(state)
+            except Exception as e:  # noqa: BLE001 (whatever a file that passed its checks still holds wrong)
+                log.warning("prompt cache: dropping %s: %s", entry.path or "an entry", " ".join(str(e).split())[:200])
+                self._drop(entry)  # else every request sharing its prefix would fail on it again
+                self.cache.reset()  # a restore that failed half-way leaves caches nobody can vouch for
+                held = 0
+                continue
             entry.used = self._tick()
             if entry.path is not None:
                 _touch(entry.path)
@@ -194,14 +206,14 @@ class PromptCache:
         """The oldest files go until the folder is within its cap (the newest stays, whatever its size)."""
         if self.max_disk_bytes is None:
             return
-        files = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
-        total = sum(f.stat().st_size for f in files)
-        for f in files:
+        files = _files(self.directory)
+        total = sum(stat.st_size for _, stat in files)
+        for f, stat in files:
             if total <= self.max_disk_bytes:
                 break
             if f == newest.path:
                 continue
-            total -= f.stat().st_size
+            total -= stat.st_size
             f.unlink(missing_ok=True)
             for e in list(self.entries):
                 if e.path == f:
@@ -220,9 +232,34 @@ class PromptCache:
 
     def stats(self) -> dict[str, Any]:
         in_memory = [e for e in self.entries if e.state is not None]
-        on_disk = list(self.directory.glob("*.safetensors")) if self.directory is not None else []
+        on_disk = _files(self.directory) if self.directory is not None else []
         return {"entries": len(in_memory), "bytes": sum(e.nbytes for e in in_memory),
-                "disk_entries": len(on_disk), "disk_bytes": sum(f.stat().st_size for f in on_disk if f.exists())}
+                "disk_entries": len(on_disk), "disk_bytes": sum(stat.st_size for _, stat in on_disk)}
+
+
+def _files(directory: Path) -> list[tuple[Path, os.stat_result]]:
+    """The folder's cache files with their stats, oldest first: no file still being written, and none that another
+    server sharing the folder removed meanwhile."""
+    found = []
+    for path in directory.glob("*.safetensors"):
+        if is_temporary(path):
+            continue
+        try:
+            found.append((path, path.stat()))
+        except OSError:
+            continue
+    return sorted(found, key=lambda f: f[1].st_mtime)
+
+
+def _remove_dead_writes(directory: Path) -> None:
+    """Temporary files whose writer died (a crash, a kill): untouched for ``STALE_WRITE`` seconds. Not by pid: on a
+    folder shared over the network another machine's live writer has a pid that means nothing here."""
+    for path in directory.glob(f"*{TEMPORARY}"):
+        try:
+            if is_temporary(path) and time.time() - path.stat().st_mtime > STALE_WRITE:
+                path.unlink()
+        except OSError:
+            continue
 
 
 def _touch(path: Path) -> None:
