@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install chat pair bench clean
+.PHONY: test install agents chat pair bench clean
 
 install: $(STAMP)
 
@@ -25,7 +25,18 @@ chat: $(STAMP)
 pair: $(STAMP)
 	$(PY) bench/build_pair.py
 
-test: $(STAMP)
+# The coding agents the server is tested with, at the versions tested (tests/test_agent_clis.py runs them against a
+# real `serve`). Without npm the tests that need them skip, saying so; `apt-get install nodejs npm` brings it.
+AGENTS := .agents
+AGENT_PACKAGES := @anthropic-ai/claude-code@2.1.328 @openai/codex@0.169.0 @qwen-code/qwen-code@0.24.4
+agents: $(AGENTS)/.installed
+
+$(AGENTS)/.installed: Makefile
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --prefix $(AGENTS) --no-audit --no-fund --loglevel=error $(AGENT_PACKAGES) && touch $@; \
+	else echo "npm not found: the agent CLI tests will skip (apt-get install nodejs npm)"; fi
+
+test: $(STAMP) agents
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -34,4 +45,4 @@ bench: $(STAMP)
 	$(PY) bench/hybrid_rollback.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(AGENTS) build *.egg-info .pytest_cache

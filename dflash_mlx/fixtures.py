@@ -344,10 +344,10 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
 # Qwen3's tool format (tools listed in the system turn, calls as <tool_call> JSON, results as <tool_response>
 # in a user turn, <think> reasoning, a later system message rendered as a system turn), for scripted targets. A
 # scripted target sees only its last token, so the generation prompt says which turn this is:
-# "assistant[tools]" when get_weather is offered, "assistant[tool result]" after a tool's result
-# ("[echo result]" when it holds the marker dflash-ok), "assistant[Bash]" (or another agent's shell tool,
-# exec_command for Codex, run_shell_command for Qwen Code) when the user asks to run "echo dflash-ok" and that tool is offered, and Qwen3's empty think
-# block when thinking is switched off.
+# "assistant[tools]" when get_weather is offered; "assistant[tool result]" after a tool's result ("[echo result]"
+# when it holds the marker dflash-ok); "assistant[Bash]" (exec_command for Codex, run_shell_command for Qwen
+# Code) when the user asks to run "echo dflash-ok" and that tool is offered; and Qwen3's empty think block when
+# thinking is switched off.
 TOOLS_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"

@@ -90,8 +90,10 @@ def agent_dir(tmp_path_factory) -> Path:
     ``<tool_call>`` does. Its tokenizer compresses as a real one does (an agent's 80k-character request is ~25k
     tokens) and it has Qwen3-8B's 40,960 positions, which agents ask more of than it holds."""
     root = tmp_path_factory.mktemp("agent")
-    config = fixtures.target_config("qwen3", vocab_size=8192, max_position_embeddings=40960)  # Qwen3-8B's positions
+    # Qwen3-8B's positions; one layer of one narrow head, so that an agent's 15-25k-token prompt prefills in seconds
+    config = fixtures.target_config("qwen3", vocab_size=8192, max_position_embeddings=40960, num_hidden_layers=1,
+                                    num_attention_heads=1, num_key_value_heads=1, head_dim=8)
     fixtures.write_scripted_target(root / "target", fixtures.AGENT_SCRIPTS, fixtures.TOOLS_TEMPLATE, config,
                                    large_corpus=True)
-    fixtures.write_drafter(root / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    fixtures.write_drafter(root / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[0]))
     return root

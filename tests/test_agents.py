@@ -5,6 +5,10 @@ an answer, a tool call when tools are offered, and an answer after the tool's re
 from __future__ import annotations
 
 import json
+import random
+import re
+import threading
+import time
 
 import httpx2 as httpx
 import mlx.core as mx
@@ -13,8 +17,9 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import fixtures, load
-from dflash_mlx.chat_template import render
+from dflash_mlx.chat_template import fold_system, render
 from dflash_mlx.replies import Reply, ToolCall
+from dflash_mlx.server.request import APIError, chat_ids
 from helpers import finish, start_server
 
 openai = pytest.importorskip("openai")
@@ -43,7 +48,7 @@ def _stop(proc):
 @pytest.fixture(scope="module")
 def server(agent_dir):
     proc, url = _start(agent_dir / "draft", agent_dir / "target", "--api-key", KEY, "--allowed-origins",
-                       "https://editor.example")
+                       "https://editor.example", "--keepalive", "0.5")
     yield {"url": url}
     _stop(proc)
 
@@ -254,7 +259,10 @@ def test_messages_auth_and_errors_in_anthropics_shape(server):
 
 def test_metrics_cors_and_a_log_line_per_request(server, client):
     client.chat.completions.create(model="any", messages=ASK, tools=TOOLS)
-    metrics = httpx.get(f"{server['url']}/metrics").text
+    assert httpx.get(f"{server['url']}/metrics").status_code == 401  # the server has a key: the figures need it
+    assert httpx.get(f"{server['url']}/health").json() == {"status": "ok"}  # liveness only, without the key
+    assert "prompt_cache" in httpx.get(f"{server['url']}/health", headers={"x-api-key": KEY}).json()
+    metrics = httpx.get(f"{server['url']}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("dflash_requests_total", "dflash_prompt_tokens_total", "dflash_cached_prompt_tokens_total",
                  "dflash_generated_tokens_total", "dflash_drafted_tokens_total", "dflash_accepted_tokens_total",
                  "dflash_time_to_first_token_seconds_bucket", "dflash_decode_tokens_per_second_bucket"):
@@ -264,5 +272,321 @@ def test_metrics_cors_and_a_log_line_per_request(server, client):
     preflight = {"Origin": "https://editor.example", "Access-Control-Request-Method": "POST"}
     allowed = httpx.options(f"{server['url']}/v1/chat/completions", headers=preflight)
     assert allowed.headers.get("access-control-allow-origin") == "https://editor.example"
-    other = httpx.options(f"{server['url']}/v1/chat/completions", headers=dict(preflight, Origin="https://evil.example"))
+    other = httpx.options(f"{server['url']}/v1/chat/completions",
+                          headers=dict(preflight, Origin="https://evil.example"))
     assert other.headers.get("access-control-allow-origin") is None
+
+
+# -- Anthropic's API as Claude Code sends it ------------------------------------------------------------------------
+
+BASH = {"name": "Bash", "description": "Run a shell command", "input_schema": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+ENVIRONMENT = "# Environment\nYou have been invoked in the following environment:\n - Platform: linux"
+
+
+def _claude_code_body(**changes):
+    """A request in the shape Claude Code 2.1 sends (agent-api.md): a system message after the user's turn, cache
+    controls, a deferred tool, adaptive thinking with its display omitted, fields this server has no use for."""
+    body = {
+        "model": "claude-opus-5-5", "max_tokens": 128000, "stream": False,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328;"},
+                   {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                     {"role": "system", "content": [{"type": "text", "text": ENVIRONMENT,
+                                                     "cache_control": {"type": "ephemeral"}}]}],
+        "tools": [BASH, {"name": "DeferredToolPlaceholder", "description": "", "defer_loading": True,
+                         "input_schema": {"type": "object", "properties": {}}}],
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"}, "metadata": {"user_id": "{\"device_id\": \"x\"}"},
+    }
+    return body | changes
+
+
+CLAUDE_HEADERS = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "x-app": "cli", "anthropic-beta":
+                  "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27"}
+
+
+def test_claude_codes_first_request_is_answered(server, pair):
+    """Refused with 400 before (messages[1] had role system; max_tokens 128000 past the 40,960 positions)."""
+    _, _, tokenizer = pair
+    r = httpx.post(f"{server['url']}/v1/messages?beta=true", json=_claude_code_body(), headers=CLAUDE_HEADERS,
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    message = r.json()
+    thinking, text = message["content"]
+    assert thinking == {"type": "thinking", "thinking": "", "signature": "dflash-mlx"}  # display: omitted
+    assert text == {"type": "text", "text": "\n\nHello! I am a scripted model."}
+    assert message["stop_reason"] == "end_turn"
+    # The later system turn is rendered where it stands (Qwen3's template takes it); the deferred tool is not shown.
+    turns = [{"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1.328;You are an agent."},
+             {"role": "user", "content": "hi"}, {"role": "system", "content": ENVIRONMENT}]
+    tools = [{"type": "function", "function": {"name": "Bash", "description": "Run a shell command",
+                                               "parameters": BASH["input_schema"]}}]
+    usage = message["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(render(tokenizer, turns, tools=tools,
+                                                                                 thinking=True))
+
+
+def test_claude_code_streams_with_pings_and_consistent_usage(server):
+    """Streamed as Claude Code asks: message_start's usage counts the prompt as message_delta's does (input excludes
+    what was read from the cache), thinking blocks carry no text when display is omitted, pings keep it alive."""
+    body = _claude_code_body(stream=True)
+    for _ in range(2):  # the second time, most of the prompt comes from the cache
+        with httpx.stream("POST", f"{server['url']}/v1/messages?beta=true", json=body, headers=CLAUDE_HEADERS,
+                          timeout=120) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    assert names[0] in ("ping", "message_start") and names[-1] == "message_stop" and "ping" in names
+    start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+    end = next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert start["cache_read_input_tokens"] > 0
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (end["input_tokens"],
+                                                                         end["cache_read_input_tokens"])
+    assert not [e for e in events if e.get("delta", {}).get("type") == "thinking_delta"]
+    assert [e["delta"]["signature"] for e in events if e.get("delta", {}).get("type") == "signature_delta"]
+
+
+def test_tool_choice_any_and_a_named_tool_are_accepted(claude):
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        message = claude.messages.create(model="claude-haiku-4-5", max_tokens=64, messages=ASK,
+                                         tools=ANTHROPIC_TOOLS, tool_choice=choice)
+        assert message.stop_reason == "tool_use" and message.content[0].name == "get_weather"
+    none = claude.messages.create(model="any", max_tokens=64, messages=ASK, tools=ANTHROPIC_TOOLS,
+                                  tool_choice={"type": "none"})
+    assert none.stop_reason == "end_turn" and none.content[-1].type == "text"
+
+
+def test_a_system_turn_is_folded_where_the_template_refuses_it(agent_dir):
+    """Qwen3.5's template raises on a system message after the first turn: the server folds it into the user turn
+    next to it instead of answering 400 (and keeps it where it stands when the template takes it)."""
+    strict = ("{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+              "{{- raise_exception('System message must be at the beginning.') }}{%- endif %}"
+              "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    _, _, tokenizer = load(str(agent_dir / "draft"), str(agent_dir / "target"), chat_template=strict)
+    turns = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "system", "content": "E"},
+             {"role": "assistant", "content": "ok"}, {"role": "system", "content": "F"},
+             {"role": "user", "content": "go"}]
+    folded = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi\n\nE"},
+              {"role": "assistant", "content": "ok"}, {"role": "user", "content": "F\n\ngo"}]
+    assert fold_system(turns) == folded
+    assert chat_ids(tokenizer, turns, [], None, {}, "messages") == render(tokenizer, folded)
+    assert fold_system([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"role": "system", "content": "c"}]) == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"},
+           {"role": "user", "content": "z"}]  # this strict template takes it: nothing is folded
+    assert chat_ids(tokenizer, bad, [], None, {}, "messages") == render(tokenizer, bad)
+    with pytest.raises(APIError):  # a template that refuses for another reason still says so
+        raising = load(str(agent_dir / "draft"), str(agent_dir / "target"),
+                       chat_template="{{ raise_exception('no') }}")[2]
+        chat_ids(raising, turns, [], None, {}, "messages")
+
+
+# -- what a client gets when the context is too small ---------------------------------------------------------------
+
+
+def _long_text(tokenizer, tokens: int) -> str:
+    """Text of at least ``tokens`` tokens (random words: nothing a cache holds)."""
+    rng = random.Random(tokens)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo"]
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(tokens // 2)) + "\n"
+    return text
+
+
+def test_a_prompt_that_does_not_fit_gets_what_each_client_acts_on(server, client, claude, pair):
+    _, _, tokenizer = pair
+    huge = [{"role": "user", "content": _long_text(tokenizer, 41000)}]
+    with pytest.raises(anthropic.BadRequestError) as e:  # Claude Code compacts its conversation on this text
+        claude.messages.create(model="any", max_tokens=128000, messages=huge)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert re.match(r"prompt is too long: \d+ tokens > 40959 maximum", e.value.body["error"]["message"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=huge)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="any", input=huge[0]["content"])
+    assert e.value.body["code"] == "context_length_exceeded"
+    events = list(client.responses.create(model="any", input=huge[0]["content"], stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert events[-1].response.error.code == "context_length_exceeded"  # Codex compacts on this code
+    assert "prompt is too long" in events[-1].response.error.message
+
+
+@pytest.fixture(scope="module")
+def small(agent_dir, pair, tmp_path_factory):
+    """The agent target with room for "hi" and two tokens of reply: a reply cut where the context ends."""
+    _, _, tokenizer = pair
+    root = tmp_path_factory.mktemp("small")
+    target = root / "target"
+    target.mkdir()
+    for f in (agent_dir / "target").iterdir():
+        (target / f.name).symlink_to(f)
+    (target / "config.json").unlink()
+    config = json.loads((agent_dir / "target" / "config.json").read_text())
+    hi = [{"role": "user", "content": "hi"}]
+    config["max_position_embeddings"] = len(render(tokenizer, hi)) + 2
+    (target / "config.json").write_text(json.dumps(config))
+    proc, url = _start(agent_dir / "draft", target)
+    yield url
+    _stop(proc)
+
+
+def test_max_tokens_past_the_context_is_clamped_not_refused(small):
+    hi = [{"role": "user", "content": "hi"}]
+    small_claude = anthropic.Anthropic(base_url=small, api_key="x", max_retries=0, timeout=120)
+    message = small_claude.messages.create(
+        model="claude-opus-5-5", max_tokens=128000, messages=hi)
+    assert message.stop_reason == "model_context_window_exceeded" and message.usage.output_tokens == 2
+    short = small_claude.messages.create(
+        model="any", max_tokens=1, messages=hi)
+    assert short.stop_reason == "max_tokens"
+    openai_client = openai.OpenAI(base_url=f"{small}/v1", api_key="x", max_retries=0)
+    chat = openai_client.chat.completions.create(model="any", messages=hi, max_tokens=32000)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 2
+    response = openai_client.responses.create(model="any", input="hi", max_output_tokens=10**6)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+
+
+# -- the Responses API (Codex CLI) ------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": TOOLS[0]["function"]["parameters"], "strict": False}
+
+
+def test_responses_whole_and_streamed(client, pair):
+    _, _, tokenizer = pair
+    out = client.responses.create(model="local", input="hi", instructions="Be brief.")
+    assert out.status == "completed" and out.output_text == "\n\nHello! I am a scripted model."
+    reasoning, message = out.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "\nThe user greets me; I greet back.\n"
+    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
+    prompt = render(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert out.usage.input_tokens == len(prompt) and out.usage.output_tokens == 4
+    assert out.usage.input_tokens_details.cached_tokens <= len(prompt) - 1
+
+    events = list(client.responses.create(model="local", input="hi", instructions="Be brief.", stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "response.reasoning_text.delta" in types and "response.output_text.delta" in types
+    assert types.count("response.output_item.added") == types.count("response.output_item.done") == 2
+    completed = events[-1].response
+    assert completed.output_text == out.output_text and completed.usage.input_tokens_details.cached_tokens > 0
+    with client.responses.stream(model="local", input="hi", instructions="Be brief.") as stream:  # the client's helper
+        final = stream.get_final_response()
+    assert final.output_text == out.output_text and final.id == stream.get_final_response().id
+
+    off = client.responses.create(model="local", input="hi", reasoning={"effort": "none"})
+    assert off.output_text == "Hello without thinking." and [o.type for o in off.output] == ["message"]
+
+
+def test_responses_tool_loop_as_codex_sends_it(client):
+    """Input items with developer messages, a namespace of tools (flattened; the call names its namespace again),
+    a hosted tool (left out), then the call and its output sent back, stateless."""
+    tools = [{"type": "namespace", "name": "weather", "description": "Weather tools", "tools": [WEATHER]},
+             {"type": "web_search", "external_web_access": False}]
+    ask = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+           {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK[0]["content"]}]}]
+    extra = {"store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k",
+             "client_metadata": {"session_id": "s"}}
+    first = client.responses.create(model="local", input=ask, tools=tools, tool_choice="auto",
+                                    parallel_tool_calls=True, reasoning={"summary": "auto"}, extra_body=extra)
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.namespace == "weather"
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
+    streamed = list(client.responses.create(model="local", input=ask, tools=tools, stream=True, extra_body=extra))
+    deltas = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert json.loads(deltas) == {"city": "Paris"}
+    history = ask + [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+                     call.model_dump(exclude_none=True),
+                     {"type": "function_call_output", "call_id": call.call_id, "output": "22 degrees"}]
+    second = client.responses.create(model="local", input=history, tools=tools, extra_body=extra)
+    assert second.output_text == "It is 22 degrees in Paris."
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
+
+
+def test_responses_refuses_what_it_does_not_do(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="local", input="hi", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id" and "stores no responses" in e.value.body["message"]
+    image = [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="local", input=image)
+    assert "this model reads text only" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="local", input=[{"type": "function_call", "call_id": "c", "name": "f",
+                                                       "arguments": "[1]"}])
+
+
+# -- editors' habits on chat completions ------------------------------------------------------------------------------
+
+
+def test_editors_habits(client, pair):
+    _, _, tokenizer = pair
+    hi = [{"role": "user", "content": "hi"}]
+    mid = hi + [{"role": "assistant", "content": "Hello."}, {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": "hi again"}]
+    out = client.chat.completions.create(model="any", messages=mid, max_tokens=10**6)  # clamped to the context
+    assert out.choices[0].finish_reason == "stop" and out.usage.prompt_tokens == len(render(tokenizer, mid))
+    for effort, expected in (("none", "Hello without thinking."), ("high", "\n\nHello! I am a scripted model.")):
+        out = client.chat.completions.create(model="any", messages=hi, reasoning_effort=effort)
+        assert out.choices[0].message.content == expected, effort
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}  # it wins over reasoning_effort
+    out = client.chat.completions.create(model="any", messages=hi, reasoning_effort="high", extra_body=kwargs)
+    assert out.choices[0].message.content == "Hello without thinking."
+    image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                          {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=image)
+    assert e.value.body["message"].count("\n") == 0 and "this model reads text only" in e.value.body["message"]
+
+
+# -- a long prefill or a wait in the queue never looks dead ---------------------------------------------------------
+
+
+def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, client, claude, pair):
+    """While a long prefill runs (the next request waits behind it), every stream carries a keep-alive at least every
+    --keepalive seconds (0.5 here, 15 by default), in its dialect's form; count_tokens and /v1/models answer at once."""
+    _, _, tokenizer = pair
+    long = [{"role": "user", "content": _long_text(tokenizer, 12000)}]
+    done = threading.Event()
+
+    def prefill() -> None:
+        try:
+            client.chat.completions.create(model="any", messages=long, max_tokens=4)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=prefill)
+    worker.start()
+    time.sleep(0.3)
+    started = time.perf_counter()
+    counted = claude.messages.count_tokens(model="any", messages=long).input_tokens
+    listed = client.models.list().data[0].id
+    quick = time.perf_counter() - started
+    assert counted == len(render(tokenizer, long)) and listed and not done.is_set() and quick < 3
+    cases = [("/v1/messages", {"model": "any", "max_tokens": 8, "stream": True, "messages": ASK}, "event: ping"),
+             ("/v1/chat/completions", {"model": "any", "stream": True, "messages": ASK}, ": keepalive"),
+             ("/v1/responses", {"model": "any", "stream": True, "input": "hi"}, ": keepalive")]
+    seen: dict[str, list] = {}
+
+    def listen(path: str, body: dict) -> None:  # each stream waits in the queue behind the long prefill
+        with httpx.stream("POST", f"{server['url']}{path}", json=body, headers={"x-api-key": KEY}, timeout=120) as r:
+            seen[path] = [(time.perf_counter(), line) for line in r.iter_lines() if line]
+
+    listeners = [threading.Thread(target=listen, args=(path, body)) for path, body, _ in cases]
+    for t in listeners:
+        t.start()
+    for t in listeners:
+        t.join()
+    for path, _, keepalive in cases:
+        stamps, lines = zip(*seen[path])
+        assert lines[0] == keepalive and lines.count(keepalive) >= 2, (path, lines[:5])
+        assert max(b - a for a, b in zip(stamps, stamps[1:])) < 2.5, path
+    worker.join()

@@ -73,7 +73,7 @@ def _expected(pairs, messages, max_tokens):
 def test_models_and_health(client, server):
     [model] = client.models.list().data
     assert model.id.endswith("qwen3-dflash") and model.owned_by == "dflash-mlx"
-    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+    assert httpx.get(f"{server}/health", headers={"x-api-key": KEY}).json()["status"] == "ok"
 
 
 def test_chat_completion_equals_generate(client, pairs):
@@ -166,7 +166,7 @@ def test_eight_concurrent_clients_get_their_own_answers(client, pairs):
 
 
 def test_a_dropped_stream_frees_the_server(server, client, pairs):
-    cancelled = httpx.get(f"{server}/health").json()["cancelled"]
+    cancelled = httpx.get(f"{server}/health", headers={"x-api-key": KEY}).json()["cancelled"]
     body = {"model": "any", "messages": MESSAGES, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                       timeout=60) as r:
@@ -178,7 +178,8 @@ def test_a_dropped_stream_frees_the_server(server, client, pairs):
     ref = _expected(pairs, MESSAGES, 30)
     out = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=30, temperature=0)
     assert out.choices[0].message.content == ref.text
-    assert httpx.get(f"{server}/health").json()["cancelled"] == cancelled + 1  # stopped early, not run to the end
+    # stopped early, not run to the end
+    assert httpx.get(f"{server}/health", headers={"x-api-key": KEY}).json()["cancelled"] == cancelled + 1
 
 
 def test_multi_turn_reuses_the_cache(client):
@@ -206,6 +207,14 @@ def test_multi_turn_reuses_the_cache(client):
     (json.dumps({"model": "x", "messages": MESSAGES, "temperature": 1, "seed": 2**64}).encode(), 400, "seed"),
     (b"[1, 2]", 400, None),
     (b"x" * (17 * 2**20), 413, None),
+    # Python's JSON reader takes these (1e400 is standard JSON, beyond a float): a 400, never a plain-text 500
+    (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1e400}', 400, None),
+    (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "temperature": NaN}', 400, None),
+    (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "top_p": -Infinity}', 400, None),
+    # what must be refused rather than guessed at
+    (json.dumps({"model": "x", "messages": [{"role": "user"}]}).encode(), 400, "messages"),
+    (json.dumps({"model": "x", "messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}).encode(), 400, "messages"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, body, status, param):
     r = httpx.post(f"{server}/v1/chat/completions", content=body, timeout=60,
@@ -226,7 +235,7 @@ def test_api_key_is_required(server):
 
 def test_soak_memory_does_not_grow(server, client):
     def active() -> int:
-        return httpx.get(f"{server}/health").json()["active_memory_bytes"]
+        return httpx.get(f"{server}/health", headers={"x-api-key": KEY}).json()["active_memory_bytes"]
 
     for i in range(20):
         client.completions.create(model="any", prompt=f"warm {i}", max_tokens=4, temperature=0)

@@ -185,6 +185,11 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
              "context_length": engine.target.max_positions}]})
 
     async def health(request: Request) -> Response:
+        """Liveness for anyone (load balancers, supervisors); the figures only with the key, when there is one."""
+        try:
+            authorize(request)
+        except APIError:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "model": engine.name, "waiting": engine.jobs.qsize(),
                              "cancelled": engine.cancelled,
                              "active_memory_bytes": mx.get_active_memory(),
@@ -194,6 +199,10 @@ def create_app(engine: Engine, api_key: Optional[str] = None, max_body: int = MA
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        try:
+            authorize(request)
+        except APIError as e:
+            return refusal(openai_api.CHAT, e)
         return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
