@@ -334,13 +334,18 @@ def _decode(
         plan, cap = policy.plan(cache.tokens), min(cache.block_size - 1, max_tokens - emitted - 1)
         return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
 
-    def start(last: mx.array, plan: Plan) -> tuple[_InFlight, float]:
+    def start(last: mx.array, last_id: Optional[int], plan: Plan) -> tuple[_InFlight, float]:
+        """Start a cycle after ``last``; ``last_id`` is its value, None while it is still lazy (a pipelined plain
+        step, which copies nothing)."""
         nonlocal key
         cycle_key = None
         if key is not None:
             key, cycle_key = mx.random.split(key)
         started = time.perf_counter()
-        copied = policy.repeats.continuation(cache.tokens, last_id, plan.depth) if plan.source == COPY else []
+        copied: list[int] = []
+        if plan.source == COPY:
+            assert last_id is not None, "a copy needs the token it continues"
+            copied = policy.repeats.continuation(cache.tokens, last_id, plan.depth)
         n_draft = plan.fallback if plan.source == COPY else plan.depth  # no copy offered: the drafter's plan
         return _start_cycle(target, drafter, cache, sampling, last, n_draft, copied, cycle_key, logprobs), started
 
@@ -364,13 +369,14 @@ def _decode(
         ahead, planned, read_at = None, None, time.perf_counter()
         while True:
             if reason is None:
-                (cycle, started), ahead = ahead or start(last, choose(emitted) if planned is None else planned), None
+                (cycle, started), ahead = ahead or start(last, last_id, choose(emitted) if planned is None
+                                                              else planned), None
                 planned, committed = None, cycle.proposal is None and emitted + 1 < max_tokens
                 if committed:  # a plain step: commit it now; when the next is plain too, start it now
                     cache.commit([last_id], cycle.features)
                     planned = choose(emitted + 1)
                     if planned == Plan(0):
-                        ahead, planned = start(cycle.target_tokens, planned), None
+                        ahead, planned = start(cycle.target_tokens, None, planned), None
             yield _Emitted(tokens, drafted, source, accepted, reason, cache.nbytes, lps, top)  # the previous cycle's
             if reason is not None:
                 return

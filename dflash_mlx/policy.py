@@ -368,6 +368,7 @@ class AdaptiveDepth:
     _since_agreed: int = 0
     _timed: bool = False  # whether the next cycle's seconds are its depth's (not a generation's first cycle)
     _bucket: int = 0  # how the history repeated itself at the last decision
+    _fallback_rates: Optional[list[float]] = None  # a planned copy's: the drafter's plan, made if the copy is not
 
     def __post_init__(self) -> None:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
@@ -436,11 +437,16 @@ class AdaptiveDepth:
         if self.seconds is None:  # warm-up: a full block, a plain step, one token
             return Plan(self.costs.missing()[0])
         rates = self._rates()
+        schedule = (self._plain_run, self._new_prompt)
         planned = self._plan_drafter(rates)
         if self.copies:
             copying = self._copy_rates()
             c = self._argmax(copying)
             if c > 0 and copying[c] > max(rates):
+                # The drafter's plan is only the fallback: its move of the probe schedule (a due probe spent, say)
+                # waits for observe(), which makes it only if the fallback is what ran.
+                self._plain_run, self._new_prompt = schedule
+                self._fallback_rates = rates
                 return Plan(c, COPY, planned)
         return Plan(planned)
 
@@ -468,12 +474,16 @@ class AdaptiveDepth:
         self._paid_now = False
         self._new_prompt = self._paid >= self.min_paid * self._prompts
         self._timed = False
+        self._fallback_rates = None
         self.repeats.reset()
 
     def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         # A generation's first cycle also pays for the buffers its prefill handed back (measured here: +15 ms
         # on a 6 ms plain step and on a 19 ms full block alike): not what its depth costs.
         timed, self._timed = self._timed, True
+        fallback, self._fallback_rates = self._fallback_rates, None
+        if fallback is not None and source != COPY:  # a planned copy found none: the drafter's plan ran
+            self._plan_drafter(fallback)
         if source == COPY:
             self.copy_by_repeat[self._bucket].update(drafted, accepted)
             if timed:

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock
+from .policy import COPY, DRAFTER, CycleCosts, DraftPolicy, FixedBlock
 from .repeats import Repeats
 
 
@@ -106,13 +106,17 @@ class CostProfile:
         return self._memo[key]
 
     def copy_seconds(self, k: int, context: int) -> float:
-        """A cycle copying k: the plain step plus the verify's per-token cost (the drafting cycles' slope
-        from 1 to the deepest), without the drafter's share (their intercept)."""
-        if k == 0:
-            return self.seconds(0, context)
-        top = len(self.cycle[0]) - 1
-        slope = (self.seconds(top, context) - self.seconds(1, context)) / (top - 1) if top > 1 else 0.0
-        return self.seconds(0, context) + max(slope, 0.0) * k
+        """A cycle copying k, priced as the policy prices copies it has not timed (``CycleCosts.predict_copy``):
+        the plain step plus the drafting cycles' per-token cost (their line from 1 to the deepest), without the
+        drafter's share (its intercept)."""
+        key = (-1 - k, context)  # apart from seconds()'s keys
+        if key not in self._memo:
+            top = len(self.cycle[0]) - 1
+            costs = CycleCosts(top)
+            for depth in dict.fromkeys((0, 1, top)):
+                costs.update(depth, self.seconds(depth, context))
+            self._memo[key] = costs.predict_copy(k)
+        return self._memo[key]
 
     def plain_seconds(self, context: int) -> float:
         return self._at(self.plain, context)

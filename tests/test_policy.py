@@ -325,6 +325,30 @@ def test_copies_cost_their_verify_until_measured():
     assert np.isclose(costs.predict(8), 0.03 + 0.01 + 0.016)
 
 
+def _copies_win_drafting_does_not() -> AdaptiveDepth:
+    """A policy whose estimates say: the drafter's drafts are never accepted, copies always are."""
+    policy = AdaptiveDepth(15)
+    policy.seconds = [0.010] + [0.015 + 0.001 * k for k in range(1, 16)]
+    policy.copy_seconds = [0.010] + [0.011 + 0.001 * k for k in range(1, 16)]
+    for _ in range(50):
+        policy.by_repeat[0].update(15, 0)
+        policy.copy_by_repeat[0].update(15, 15)
+    return policy
+
+
+@pytest.mark.parametrize("ran", [COPY, DRAFTER])
+def test_a_copy_that_wins_leaves_a_due_probe_due(ran):
+    """plan() spends the drafter's due probe only where the drafter's plan runs: a copy that wins leaves it due
+    (it was lost before), a planned copy that finds nothing runs the probe and spends it."""
+    policy = _copies_win_drafting_does_not()
+    policy._plain_run = policy.probe_interval(1) - 1  # the next plain plan probes
+    plan = policy.plan([])
+    assert plan.source == COPY and plan.depth > 0 and plan.fallback == 1
+    policy.observe(plan.depth if ran == COPY else plan.fallback, 0 if ran == DRAFTER else plan.depth, 0.02, ran)
+    policy.copies = False
+    assert policy.plan([]) == (Plan(1) if ran == COPY else Plan(0))
+
+
 class Scripted:
     """A policy that drafts a given sequence of depths and sources (cycling), as hypothesis draws them."""
 
