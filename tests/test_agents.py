@@ -252,6 +252,10 @@ def test_messages_auth_and_errors_in_anthropics_shape(server):
     r = httpx.post(f"{url}/v1/messages", json={"model": "any", "max_tokens": 8, "messages": image},
                    headers={"x-api-key": KEY})
     assert r.status_code == 400 and "this model reads text only" in r.json()["error"]["message"]
+    for messages in ([{"role": "user"}], [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]):
+        r = httpx.post(f"{url}/v1/messages", json={"model": "any", "max_tokens": 8, "messages": messages},
+                       headers={"x-api-key": KEY})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", messages
 
 
 # -- what else a client expects ------------------------------------------------------------------------
