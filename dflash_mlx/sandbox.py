@@ -167,15 +167,18 @@ def wrap(sandbox: Optional[Jail], folder: str, argv: list[str]) -> tuple[list[st
         params = [f"P{i}={p}" for i, p in enumerate(prefixes)] + [f"W{i}={p}" for i, p in enumerate(works)]
         return [sandbox.tool, *(a for p in params for a in ("-D", p)), "-p", profile(len(prefixes), len(works)),
                 *argv], os.path.realpath(work)
+    # ``work`` is the sandbox's /tmp, mounted before the read-only folders so that an interpreter under /tmp (a
+    # CI's clone) shows inside it; the program starts in an empty folder of its own there.
     links, binds = _tree()
+    os.mkdir(os.path.join(work, "run"))
     if sandbox.kind == "bwrap":
         view = [a for target, link in links for a in ("--symlink", target, link)]
         view += [a for path in binds for a in ("--ro-bind", path, path)]
         return [sandbox.tool, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-                "--cap-drop", "ALL", *view, "--dev", "/dev", "--bind", work, "/tmp", "--chdir", "/tmp", "--",
-                *argv], "/tmp"
+                "--cap-drop", "ALL", "--bind", work, "/tmp", *view, "--dev", "/dev", "--chdir", "/tmp/run", "--",
+                *argv], "/tmp/run"
     return [sandbox.tool, "--user", "--map-root-user", "--net", "--pid", "--ipc", "--mount", "--fork",
-            "--kill-child", "/bin/sh", "-c", unshare_script(root, work, links, binds), "sh", *argv], "/tmp"
+            "--kill-child", "/bin/sh", "-c", unshare_script(root, work, links, binds), "sh", *argv], "/tmp/run"
 
 
 def interpreter() -> list[str]:
@@ -220,16 +223,17 @@ def unshare_script(root: str, work: str, links: list[tuple[str, str]], binds: li
     """
     q = shlex.quote
     lines = ["set -eu", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",  # pivot_root is in sbin, which a user's PATH may lack
-             f"mount -t tmpfs -o size=1m,mode=755 dflash {q(root)}", f"cd {q(root)}", "mkdir .old proc tmp dev"]
+             f"mount -t tmpfs -o size=1m,mode=755 dflash {q(root)}", f"cd {q(root)}", "mkdir .old proc tmp dev",
+             f"mount --bind {q(work)} tmp"]
     lines += [f"ln -s {q(target)} .{q(link)}" for target, link in links]
     for path in binds:
         lines += [f"mkdir -p .{q(path)}", f"mount --bind {q(path)} .{q(path)}",
                   f"mount -o remount,bind,ro{_locked(path)} .{q(path)}"]
     for name in DEVICES:
         lines += [f"touch dev/{name}", f"mount --bind /dev/{name} dev/{name}"]
-    lines += [f"mount --bind {q(work)} tmp", "pivot_root . .old",
+    lines += ["pivot_root . .old",
               "mount -t proc proc /proc", "umount -l /.old", "umount /proc", "rmdir /.old /proc",
-              "mount -o remount,bind,ro /", "cd /tmp",
+              "mount -o remount,bind,ro /", "cd /tmp/run",
               'exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs "$@"']
     return "\n".join(lines) + "\n"
 
