@@ -151,36 +151,26 @@ class Acceptance:
         return self._expected
 
 
-COPY_STREAK = 4  # retried copies accepted whole in a row before the backoff resumes
-
-
 @dataclass
 class Line:
     """Overhead of a kind of cycle over a plain step, in plain steps, as a line in its depth: fixed + k * per_token.
 
-    Each depth keeps the lower median of its last ``window`` cycles' overheads beyond
-    the plain estimate (one cycle timed during a spike of the machine's load is not
-    what the depth costs: among two it is ignored), weighted by how often its depth
-    was seen (at most ``1 / (1 - decay)``); the line goes through those points. Per
-    depth, because a long run at one depth (a reply's loop at full blocks) measures
-    only one point of the line: fitted to the cycles as they come, the line would
-    drift with the noise along the direction that depth cannot see, until a one-token
-    probe looked three plain steps dear.
+    Each depth keeps its own decaying mean of what its cycles took beyond the plain
+    estimate; the line goes through those means, each weighted by how often its depth
+    was seen (at most ``1 / (1 - decay)``). Per depth, because a long run at one depth
+    (a reply's loop at full blocks) measures only one point of the line: fitted to the
+    cycles as they come, the line would drift with the noise along the direction that
+    depth cannot see, until a one-token probe looked three plain steps dear.
     """
 
     decay: float = 0.95
-    window: int = 5
     fit: Optional[tuple[float, float]] = None  # (fixed, per_token), once a depth has been seen
-    _means: dict[int, list[float]] = field(default_factory=dict)  # depth -> [weight, median overhead]
-    _recent: dict[int, list[float]] = field(default_factory=dict)  # depth -> its last ``window`` overheads
+    _means: dict[int, list[float]] = field(default_factory=dict)  # depth -> [weight, mean overhead]
 
     def add(self, k: int, y: float) -> None:
         mean = self._means.setdefault(k, [0.0, 0.0])
         mean[0] = min(self.decay * mean[0] + 1, 1 / (1 - self.decay))
-        recent = self._recent.setdefault(k, [])
-        recent.append(y)
-        del recent[: -self.window]
-        mean[1] = sorted(recent)[(len(recent) - 1) // 2]
+        mean[1] += (y - mean[1]) / mean[0]
         w = sum(n for n, _ in self._means.values())
         wk = sum(n * d for d, (n, _) in self._means.items())
         wkk = sum(n * d * d for d, (n, _) in self._means.items())
@@ -379,16 +369,11 @@ class AdaptiveDepth:
     _timed: bool = False  # whether the next cycle's seconds are its depth's (not a generation's first cycle)
     _bucket: int = 0  # how the history repeated itself at the last decision
     _fallback_rates: Optional[list[float]] = None  # a planned copy's: the drafter's plan, made if the copy is not
-    _copy_probe: bool = False  # the planned copy is a retry the costs did not choose
-    _copy_next: int = 0  # cycles until copies may be retried
-    _copy_backoff: int = 0  # the retry interval while retries lose
-    _copy_streak: int = 0  # retries accepted whole in a row
 
     def __post_init__(self) -> None:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.costs = CycleCosts(self.max_depth)
-        self._copy_backoff = self._copy_next = self.min_probe
 
     @property
     def acceptance(self) -> Acceptance:
@@ -457,39 +442,13 @@ class AdaptiveDepth:
         if self.copies:
             copying = self._copy_rates()
             c = self._argmax(copying)
-            won = c > 0 and copying[c] > max(rates)
-            if won or self._copy_due():
+            if c > 0 and copying[c] > max(rates):
                 # The drafter's plan is only the fallback: its move of the probe schedule (a due probe spent, say)
                 # waits for observe(), which makes it only if the fallback is what ran.
                 self._plain_run, self._new_prompt = schedule
-                self._fallback_rates, self._copy_probe = rates, not won
-                return Plan(c if won else self.max_depth, COPY, planned)
+                self._fallback_rates = rates
+                return Plan(c, COPY, planned)
         return Plan(planned)
-
-    def _copy_due(self) -> bool:
-        """Whether to copy although the cost model says no: the text repeats, copies are accepted here, and the
-        retry is due.
-
-        On a busy machine (a browser, a build) a verify costs several plain steps and
-        one cycle timed during a spike prices copies out, before any ran or after; only
-        another copy measures them again. So copies that are accepted are never ruled
-        out by timing alone: they are retried on a backoff (``min_probe`` cycles,
-        doubling while they lose), and at once again while retries are accepted whole
-        (up to ``COPY_STREAK`` in a row), so a loop's acceptance is learnt in a few cycles.
-        """
-        if self._bucket == 0 or self._copy_next > 0:
-            return False
-        return self.copy_by_repeat[self._bucket].expected_tokens()[self.max_depth] >= 1.5
-
-    def _copy_seen(self, drafted: int, accepted: int, retried: bool) -> None:
-        """The retry schedule after a copy: reset by one the costs chose, moved on by a retry."""
-        if not retried:
-            self._copy_backoff, self._copy_next, self._copy_streak = self.min_probe, self.min_probe, 0
-        elif accepted == drafted and self._copy_streak < COPY_STREAK:
-            self._copy_next, self._copy_streak = 0, self._copy_streak + 1
-        else:
-            self._copy_backoff = min(2 * self._copy_backoff, 256)
-            self._copy_next, self._copy_streak = self._copy_backoff, 0
 
     def _plan_drafter(self, rates: list[float]) -> int:
         """The drafter's depth: the best, or plain steps with a probe when one is due."""
@@ -515,7 +474,7 @@ class AdaptiveDepth:
         self._paid_now = False
         self._new_prompt = self._paid >= self.min_paid * self._prompts
         self._timed = False
-        self._fallback_rates, self._copy_probe = None, False
+        self._fallback_rates = None
         self.repeats.reset()
 
     def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
@@ -525,11 +484,6 @@ class AdaptiveDepth:
         fallback, self._fallback_rates = self._fallback_rates, None
         if fallback is not None and source != COPY:  # a planned copy found none: the drafter's plan ran
             self._plan_drafter(fallback)
-        retried, self._copy_probe = self._copy_probe, False
-        if source == COPY:
-            self._copy_seen(drafted, accepted, retried)
-        else:
-            self._copy_next -= 1
         if source == COPY:
             self.copy_by_repeat[self._bucket].update(drafted, accepted)
             if timed:
