@@ -187,14 +187,19 @@ def test_a_malformed_tool_call_comes_back_as_text(tmp_path):
     assert events == [("tool_call", ToolCall("f", {"a": 1})), ("content", " then")]
     proc, url = _start(tmp_path / "draft", tmp_path / "target")
     try:
-        out = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).chat.completions.create(
-            model="any", messages=ASK, tools=TOOLS)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(model="any", messages=ASK, tools=TOOLS)
         assert out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls is None
         assert out.choices[0].message.content == "".join(bad[:3])
+        client.chat.completions.create(model="any", messages=ASK, max_tokens=1)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="any", messages=ASK, temperature="hot")
     finally:
         log = _stop(proc)
-    # one line per request (--log-level info, the default): what it asked, what it cost
+    # one line per request (--log-level info, the default): what it asked, what it cost, why it was refused
     assert "POST /v1/chat/completions 200 prompt" in log and "tok/s" in log
+    assert "-> 1 tok, tau" in log and "0.0 tok/s" not in log  # no speed from one token
+    assert "POST /v1/chat/completions 400: temperature must be a number" in log
 
 
 # -- Anthropic's Messages API ------------------------------------------------------------------------
