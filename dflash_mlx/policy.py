@@ -151,6 +151,9 @@ class Acceptance:
         return self._expected
 
 
+COPY_STREAK = 4  # retried copies accepted whole in a row before the backoff resumes
+
+
 @dataclass
 class Line:
     """Overhead of a kind of cycle over a plain step, in plain steps, as a line in its depth: fixed + k * per_token.
@@ -197,7 +200,9 @@ class Line:
             assert self.fit is not None
             return self.fit
         (k, (_, mean)), = self._means.items() or [(0, (0.0, 0.0))]
-        return max(mean - per_token * k, 0.0), per_token
+        if k and mean < per_token * k:  # the line must still go through the depth seen: a dear slope (timed
+            return 0.0, mean / k  # during a spike of load) priced a copy of 15 measured at 0.75 steps at 42
+        return mean - per_token * k, per_token
 
 
 @dataclass
@@ -331,7 +336,9 @@ class AdaptiveDepth:
     expected tokens per second beat the drafter's best and plain decoding, with what
     the drafter would have done as its fallback: where the history offers no copy
     (which the decode loop learns only once the cycle's first token is known), the
-    cycle runs that instead, so planning a copy never costs the drafter's cycle.
+    cycle runs that instead, so planning a copy never costs the drafter's cycle. Copies that
+    are accepted are retried on a backoff even where the costs say no (``_copy_due``): a
+    cycle timed during a spike of the machine's load must not rule them out for good.
 
     Decisions read the cost model through ``seconds`` and ``copy_seconds``, its
     predictions, refreshed after every cycle. The ranks of a sharded target (``distributed``) see the same
@@ -369,11 +376,16 @@ class AdaptiveDepth:
     _timed: bool = False  # whether the next cycle's seconds are its depth's (not a generation's first cycle)
     _bucket: int = 0  # how the history repeated itself at the last decision
     _fallback_rates: Optional[list[float]] = None  # a planned copy's: the drafter's plan, made if the copy is not
+    _copy_probe: bool = False  # the planned copy is a retry the costs did not choose
+    _copy_next: int = 0  # cycles until copies may be retried
+    _copy_backoff: int = 0  # the retry interval while retries lose
+    _copy_streak: int = 0  # retries accepted whole in a row
 
     def __post_init__(self) -> None:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.costs = CycleCosts(self.max_depth)
+        self._copy_backoff = self._copy_next = self.min_probe
 
     @property
     def acceptance(self) -> Acceptance:
@@ -442,13 +454,39 @@ class AdaptiveDepth:
         if self.copies:
             copying = self._copy_rates()
             c = self._argmax(copying)
-            if c > 0 and copying[c] > max(rates):
+            won = c > 0 and copying[c] > max(rates)
+            if won or self._copy_due():
                 # The drafter's plan is only the fallback: its move of the probe schedule (a due probe spent, say)
                 # waits for observe(), which makes it only if the fallback is what ran.
                 self._plain_run, self._new_prompt = schedule
-                self._fallback_rates = rates
-                return Plan(c, COPY, planned)
+                self._fallback_rates, self._copy_probe = rates, not won
+                return Plan(c if won else self.max_depth, COPY, planned)
         return Plan(planned)
+
+    def _copy_due(self) -> bool:
+        """Whether to copy although the cost model says no: the text repeats, copies are accepted here, and the
+        retry is due.
+
+        On a busy machine (a browser, a build) a verify costs several plain steps and
+        one cycle timed during a spike prices copies out, before any ran or after; only
+        another copy measures them again. So copies that are accepted are never ruled
+        out by timing alone: they are retried on a backoff (``min_probe`` cycles,
+        doubling while they lose), and at once again while retries are accepted whole
+        (up to ``COPY_STREAK`` in a row), so a loop's acceptance is learnt in a few cycles.
+        """
+        if self._bucket == 0 or self._copy_next > 0:
+            return False
+        return self.copy_by_repeat[self._bucket].expected_tokens()[self.max_depth] >= 1.5
+
+    def _copy_seen(self, drafted: int, accepted: int, retried: bool) -> None:
+        """The retry schedule after a copy: reset by one the costs chose, moved on by a retry."""
+        if not retried:
+            self._copy_backoff, self._copy_next, self._copy_streak = self.min_probe, self.min_probe, 0
+        elif accepted == drafted and self._copy_streak < COPY_STREAK:
+            self._copy_next, self._copy_streak = 0, self._copy_streak + 1
+        else:
+            self._copy_backoff = min(2 * self._copy_backoff, 256)
+            self._copy_next, self._copy_streak = self._copy_backoff, 0
 
     def _plan_drafter(self, rates: list[float]) -> int:
         """The drafter's depth: the best, or plain steps with a probe when one is due."""
@@ -474,7 +512,7 @@ class AdaptiveDepth:
         self._paid_now = False
         self._new_prompt = self._paid >= self.min_paid * self._prompts
         self._timed = False
-        self._fallback_rates = None
+        self._fallback_rates, self._copy_probe = None, False
         self.repeats.reset()
 
     def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
@@ -484,6 +522,11 @@ class AdaptiveDepth:
         fallback, self._fallback_rates = self._fallback_rates, None
         if fallback is not None and source != COPY:  # a planned copy found none: the drafter's plan ran
             self._plan_drafter(fallback)
+        retried, self._copy_probe = self._copy_probe, False
+        if source == COPY:
+            self._copy_seen(drafted, accepted, retried)
+        else:
+            self._copy_next -= 1
         if source == COPY:
             self.copy_by_repeat[self._bucket].update(drafted, accepted)
             if timed:
