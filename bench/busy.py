@@ -1,0 +1,117 @@
+"""The adaptive policy on a busy machine: auto vs copy vs drafter, each run a fresh process, quiet and under load.
+
+A laptop with a browser and an editor open is a busy machine. The load here is one CPU hog
+per core (a Python busy loop each). The pair is the tests' looping one (a small random qwen3
+target that falls into greedy loops, a random drafter: the drafter is never right, copies
+are). Cases: its greedy reply to "hello", which repeats one pattern, and the built-in prompts
+(math, code, chat), new text and loops by turns. Every (source, run) is a
+fresh process, as `dflash-mlx generate` is: the policy learns from nothing each time. The
+figure is decode tokens per second over the case's prompts; the ratio is auto against the
+best of the three sources in the same round (the sources run back to back, in rotating order).
+
+    python bench/busy.py [--runs 5] [--loop-tokens 2000] [--prompt-tokens 256] [--hogs N]
+"""
+
+from __future__ import annotations
+
+from common import CACHE, print_machine  # re-execs with OpenBLAS first
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from importlib import resources  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SOURCES = ("auto", "copy", "drafter")
+HOG = "while True: pass"
+
+
+def looping_pair() -> Path:
+    """The tests' looping pair (conftest.looping_dir), built once into bench/.cache."""
+    from dflash_mlx import fixtures
+
+    folder = CACHE / "looping-pair"
+    if not (folder / "random" / "config.json").exists():
+        config = fixtures.target_config("qwen3")
+        fixtures.write_target(folder / "target", config, seed=0, init_scale=1.0)
+        fixtures.write_drafter(folder / "random", fixtures.drafter_config(config))
+    return folder
+
+
+def child(pair: Path, source: str, prompts: list[str], max_tokens: int) -> None:
+    """One fresh process: decode the prompts with one draft source; print tokens and decode seconds as JSON."""
+    import dflash_mlx
+    from dflash_mlx.chat_template import prompt_ids, user
+
+    target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
+    tokens, seconds, copies = 0, 0.0, 0
+    for text in prompts:
+        run = dflash_mlx.generate(target, drafter, tokenizer, prompt_ids(tokenizer, user(text)), max_tokens=max_tokens,
+                                  draft_source=source)
+        decoded = len(run.tokens) - 1
+        tokens, seconds = tokens + decoded, seconds + decoded / max(run.generation_tps, 1e-9)
+        copies += run.by_source.get("copy", {}).get("cycles", 0)
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "copy_cycles": copies}))
+
+
+def measure(pair: Path, source: str, prompts: list[str], max_tokens: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(pair), source, json.dumps(prompts), str(max_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, DFLASH_MLX_BLAS_WARNING="0"))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rounds(pair: Path, prompts: list[str], max_tokens: int, runs: int) -> list[dict[str, dict]]:
+    out = []
+    for r in range(runs):
+        order = SOURCES[r % 3:] + SOURCES[: r % 3]
+        out.append({s: measure(pair, s, prompts, max_tokens) for s in order})
+    return out
+
+
+def report(name: str, results: list[dict[str, dict]]) -> float:
+    print(f"\n{name}: decode tok/s per fresh run (copy cycles of auto)")
+    ratios = []
+    for i, run in enumerate(results):
+        speed = {s: r["tokens"] / r["seconds"] for s, r in run.items()}
+        ratio = speed["auto"] / max(speed.values())
+        ratios.append(ratio)
+        print(f"  run {i + 1}: " + " | ".join(f"{s} {speed[s]:7.1f}" for s in SOURCES)
+              + f" | auto/best {ratio:.2f} (auto copied {run['auto']['copy_cycles']} cycles)")
+    print(f"  auto / best source: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}")
+    return min(ratios)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--loop-tokens", type=int, default=2000)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy loops beside the runs")
+    args = parser.parse_args()
+    print_machine()
+    pair = looping_pair()
+    builtin = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
+    held_out = [builtin[kind][0] for kind in ("math", "code", "chat")]
+    cases = [("loop (\"hello\")", ["hello"], args.loop_tokens), ("built-in prompts", held_out, args.prompt_tokens)]
+    worst = {}
+    for load in ("quiet", "busy"):
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs if load == "busy" else 0)]
+        try:
+            for name, prompts, max_tokens in cases:
+                label = f"{name}, {load}" + (f" ({args.hogs} CPU hogs)" if hogs else "")
+                worst[label] = report(label, rounds(pair, prompts, max_tokens, args.runs))
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+    print("\nauto / best source, worst run: " + "; ".join(f"{k} {v:.2f}" for k, v in worst.items()))
+
+
+if __name__ == "__main__":
+    main()
