@@ -523,11 +523,10 @@ class AdaptiveDepth:
         if fallback is not None and source != COPY:  # a planned copy found none: the drafter's plan ran
             self._plan_drafter(fallback)
         retried, self._copy_probe = self._copy_probe, False
-        if source == COPY:
-            self._copy_seen(drafted, accepted, retried)
-        else:
+        if source != COPY:
             self._copy_next -= 1
-        if source == COPY:
+        else:
+            self._copy_seen(drafted, accepted, retried)
             self.copy_by_repeat[self._bucket].update(drafted, accepted)
             if timed:
                 self.costs.update(drafted, seconds, copy=True)

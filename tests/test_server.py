@@ -249,7 +249,8 @@ def test_port_in_use_and_bad_model_are_one_line_errors(server, models_dir):
     port = server.rsplit(":", 1)[1]
     base = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve"]
     for args in ([str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--port", port],
-                 [str(models_dir / "nope"), "--port", port]):
+                 [str(models_dir / "nope"), "--port", port],
+                 [str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--keepalive", "0"]):
         done = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
         lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
