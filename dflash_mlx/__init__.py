@@ -5,7 +5,8 @@ from importlib.metadata import PackageNotFoundError, version
 from .caches import DFlashCache, make_cache
 from .drafter import Drafter
 from .errors import DFlashError
-from .generate import GenerationResponse, GenerationResult, generate, stream_generate
+from .generate import generate, stream_generate
+from .responses import GenerationResponse, GenerationResult
 from .loader import load, load_drafter
 from .system import DISTRIBUTION
 from .target import Target

@@ -22,7 +22,8 @@ from .chat_template import has_chat_template, render
 from .errors import DFlashError
 from .files import write_atomic
 from .cache_files import cache_file, fingerprint, read_state, write_state
-from .generate import INTERRUPTED, GenerationResponse, GenerationResult, generate
+from .generate import INTERRUPTED, generate
+from .responses import GenerationResponse, GenerationResult
 
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
 HISTORY_LENGTH = 1000

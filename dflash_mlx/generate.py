@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -31,6 +30,7 @@ from .distributed import shared_seed
 from .drafter import Drafter
 from .errors import DFlashError
 from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock, Plan, adaptive_policy, check_source
+from .responses import GenerationResponse, GenerationResult
 from .sampling import Proposal, Sampling, Scores, copy_proposal, position_keys, sample_rows, scores, verify
 from .stops import StopStrings, stop_list
 from .target import Target
@@ -44,121 +44,6 @@ INTERRUPTED = "interrupted"  # the finish_reason of a generation that Ctrl-C cut
 # block (fixed costs per pass; measured 23 us/position at 16, 11 at 128 on a CPU),
 # and the next draft's pass takes at most 63 positions along with its block.
 CATCH_UP = 64
-
-
-@dataclass
-class GenerationResponse:
-    """What one decode cycle produced, plus running statistics."""
-
-    text: str
-    tokens: list[int]
-    accepted: int  # drafted tokens the target agreed with in this cycle
-    drafted: list[int]  # what was proposed this cycle (empty for the prefill token and plain steps)
-    prompt_tokens: int
-    prompt_cached: int  # prompt tokens reused from the cache, not prefilled
-    prompt_tps: float  # prefilled tokens per second
-    generation_tokens: int
-    generation_tps: float  # tokens after the first, per second after the first
-    peak_memory: float  # GB
-    cache_bytes: int  # KV caches of target and drafter together
-    finish_reason: Optional[str] = None  # "stop" (EOS or a stop string), "length" (max_tokens) or None
-    stop_sequence: Optional[str] = None  # the stop string that ended generation (not in the text)
-    logprobs: Optional[list[float]] = None  # per token, with ``logprobs=``: log p under the target's distribution
-    top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: (id, log p) of the most likely
-    source: str = DRAFTER  # where ``drafted`` came from: the drafter, or a copy of the history
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    finish_reason: Optional[str]
-    prompt_tokens: int
-    prompt_cached: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float
-    acceptance: list[int] = field(default_factory=list)  # accepted drafts, per cycle
-    drafted: list[int] = field(default_factory=list)  # drafts proposed, per cycle
-    stop_sequence: Optional[str] = None
-    logprobs: Optional[list[float]] = None  # per token, when asked for
-    sources: list[str] = field(default_factory=list)  # per cycle: where its drafts came from
-
-    @classmethod
-    def from_responses(cls, responses: list[GenerationResponse], finish_reason: Optional[str] = None) -> GenerationResult:
-        """The run's text and figures from its responses (however many arrived); ``finish_reason`` overrides."""
-        last, cycles = responses[-1], responses[1:]  # the first response is the prefill's token, not a verify cycle
-        return cls(
-            text="".join(r.text for r in responses), tokens=[t for r in responses for t in r.tokens],
-            finish_reason=finish_reason or last.finish_reason, prompt_tokens=last.prompt_tokens,
-            prompt_cached=last.prompt_cached, prompt_tps=last.prompt_tps, generation_tokens=last.generation_tokens,
-            generation_tps=last.generation_tps, peak_memory=last.peak_memory,
-            acceptance=[r.accepted for r in cycles], drafted=[len(r.drafted) for r in cycles],
-            sources=[r.source for r in cycles], stop_sequence=last.stop_sequence,
-            logprobs=None if last.logprobs is None else [lp for r in responses for lp in r.logprobs or []],
-        )
-
-    @property
-    def cycles(self) -> int:
-        return len(self.acceptance)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per verify cycle, the target's own (bonus) token included."""
-        return sum(a + 1 for a in self.acceptance) / len(self.acceptance) if self.acceptance else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Share of drafted tokens the target accepted."""
-        return sum(self.acceptance) / sum(self.drafted) if sum(self.drafted) else 0.0
-
-    @property
-    def histogram(self) -> list[int]:
-        """``histogram[k]`` = number of cycles that accepted exactly k drafted tokens."""
-        return _counts(self.acceptance)
-
-    @property
-    def by_source(self) -> dict[str, dict[str, int]]:
-        """Per source: cycles that drafted from it, tokens drafted, tokens the target accepted."""
-        totals = {s: {"cycles": 0, "drafted": 0, "accepted": 0} for s in (DRAFTER, COPY)}
-        for source, drafted, accepted in zip(self.sources, self.drafted, self.acceptance):
-            if drafted:
-                t = totals[source]
-                t["cycles"], t["drafted"], t["accepted"] = t["cycles"] + 1, t["drafted"] + drafted, t["accepted"] + accepted
-        return totals
-
-    @property
-    def depth_histogram(self) -> list[int]:
-        """``depth_histogram[k]`` = number of cycles that drafted k tokens (0: a plain decoding step)."""
-        return _counts(self.drafted)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "text": self.text,
-            "tokens": self.tokens,
-            "finish_reason": self.finish_reason,
-            "stop_sequence": self.stop_sequence,
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_cached": self.prompt_cached,
-            "prompt_tps": self.prompt_tps,
-            "generation_tokens": self.generation_tokens,
-            "generation_tps": self.generation_tps,
-            "peak_memory_gb": self.peak_memory,
-            "cycles": self.cycles,
-            "tau": self.tau,
-            "acceptance_histogram": self.histogram,
-            "acceptance_rate": self.acceptance_rate,
-            "depth_histogram": self.depth_histogram,
-            "sources": self.by_source,
-        }
-
-
-def _counts(values: list[int]) -> list[int]:
-    hist = [0] * (max(values, default=0) + 1)
-    for v in values:
-        hist[v] += 1
-    return hist
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -351,17 +236,11 @@ def _decode(
 
     policy.start()
     try:
+        first_key = None
         if key is not None:
             key, first_key = mx.random.split(key)
         logits = _prefill(target, drafter, cache, prompt, prefill_step_size, progress)
-        with mx.stream(generation_stream):
-            if key is None:
-                last = mx.argmax(logits, -1)
-            elif sampling.positional:
-                last = sample_rows(sampling.logprobs(logits), position_keys(sampling.seed, len(cache.tokens), 1))
-            else:
-                last = mx.random.categorical(sampling.logprobs(logits), key=first_key)
-            scored = scores(logits, last, logprobs) if logprobs is not None else None
+        last, scored = _first_token(logits, sampling, first_key, len(cache.tokens), logprobs)
         last_id = last.item()
         tokens, reason = _cut([last_id], eos, max_tokens)
         lps, top = _read_scores(scored, len(tokens))
@@ -397,6 +276,20 @@ def _decode(
     finally:
         if cache.holds_lease(lease):
             cache.abandon()
+
+
+def _first_token(
+    logits: mx.array, sampling: Sampling, key: Optional[mx.array], position: int, logprobs: Optional[int]
+) -> tuple[mx.array, Optional[Scores]]:
+    """The token the prefill's last logits give (lazy), and its scores when asked for."""
+    with mx.stream(generation_stream):
+        if key is None:
+            last = mx.argmax(logits, -1)
+        elif sampling.positional:
+            last = sample_rows(sampling.logprobs(logits), position_keys(sampling.seed, position, 1))
+        else:
+            last = mx.random.categorical(sampling.logprobs(logits), key=key)
+        return last, scores(logits, last, logprobs) if logprobs is not None else None
 
 
 @contextlib.contextmanager
@@ -485,6 +378,30 @@ def stream_generate(
     sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
     pinned = block_size is not None
     block_size = drafter.block_size if block_size is None else block_size
+    prefill_step_size = _check_settings(drafter, block_size, max_tokens, window, sinks, prefill_step_size, logprobs)
+    ids = encode_prompt(tokenizer, prompt)
+    check_context(target.max_positions, len(ids), max_tokens)
+    stops = stop_list(stop)
+    eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    cache = _matching_cache(cache, target, drafter, window, sinks, block_size)
+    check_source(draft_source)
+    if policy is None:
+        policy = _default_policy(target, drafter, sampling, window, block_size, pinned, draft_source)
+    if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
+        sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
+    reused, lease = cache.begin(ids)
+    decoder = _decode(
+        target, drafter, cache, lease, ids[reused:], max_tokens, eos, prefill_step_size,
+        prompt_progress_callback or (lambda done, total: None), sampling, policy, logprobs,
+    )
+    yield from _responses(decoder, target, tokenizer.detokenizer, stops, len(ids), reused)
+
+
+def _check_settings(
+    drafter: Drafter, block_size: int, max_tokens: int, window: Optional[int], sinks: int,
+    prefill_step_size: Optional[int], logprobs: Optional[int],
+) -> int:
+    """Refuse bad settings before any work; return the prefill chunk (its default depends on the window)."""
     check_block_size(block_size, drafter)
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -494,38 +411,45 @@ def stream_generate(
         prefill_step_size = 2048 if window is None else max(block_size, min(2048, window // 16))
     if prefill_step_size < 1:
         raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-    ids = encode_prompt(tokenizer, prompt)
-    check_context(target.max_positions, len(ids), max_tokens)
-    stops = stop_list(stop)
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise DFlashError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
-    eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    return prefill_step_size
+
+
+def _matching_cache(
+    cache: Optional[DFlashCache], target: Target, drafter: Drafter, window: Optional[int], sinks: int, block_size: int
+) -> DFlashCache:
+    """The caller's cache, if it was made for this pair and these settings, else a new one."""
     if cache is None:
-        cache = make_cache(target, drafter, window, sinks, block_size)
+        return make_cache(target, drafter, window, sinks, block_size)
     cache.check_pair(target, drafter)
     if (cache.window, cache.sinks, cache.block_size) != (window, sinks, block_size):
         raise DFlashError(
             f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
             f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
         )
-    check_source(draft_source)
-    if policy is None:  # seeded rejection sampling drafts full blocks: adaptive depths would change its draw
-        reproducible = seed is not None and not sampling.greedy and not sampling.positional
-        if draft_source == COPY:
-            policy = FixedBlock(block_size, COPY)
-        elif pinned or reproducible:
-            policy = FixedBlock(block_size)
-        else:
-            policy = adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto")
-    if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
-        sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
-    reused, lease = cache.begin(ids)
-    detokenizer = tokenizer.detokenizer
-    decoder = _decode(
-        target, drafter, cache, lease, ids[reused:], max_tokens, eos, prefill_step_size,
-        prompt_progress_callback or (lambda done, total: None), sampling, policy, logprobs,
-    )
+    return cache
 
+
+def _default_policy(
+    target: Target, drafter: Drafter, sampling: Sampling, window: Optional[int], block_size: int, pinned: bool,
+    draft_source: str,
+) -> DraftPolicy:
+    """Adaptive depth, except where full blocks are asked for or needed: seeded rejection sampling drafts full
+    blocks, because adaptive depths would change its draw."""
+    reproducible = sampling.seed is not None and not sampling.greedy and not sampling.positional
+    if draft_source == COPY:
+        return FixedBlock(block_size, COPY)
+    if pinned or reproducible:
+        return FixedBlock(block_size)
+    return adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto")
+
+
+def _responses(
+    decoder: Iterator[_Emitted], target: Target, detokenizer: Any, stops: tuple[str, ...], prompt_tokens: int,
+    reused: int,
+) -> Iterator[GenerationResponse]:
+    """The decoder's cycles as responses: text detokenized up to any stop string, with the run's figures so far."""
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps, first_time, generated = 0.0, 0.0, 0
@@ -534,7 +458,7 @@ def stream_generate(
         for i, cycle in enumerate(decoder):
             now = time.perf_counter()
             if i == 0:
-                prompt_tps = (len(ids) - reused) / (now - tic)
+                prompt_tps = (prompt_tokens - reused) / (now - tic)
                 first_time = now
             if stopper is None:
                 tokens, text, stopped = cycle.tokens, _detokenize(detokenizer, cycle.tokens, cycle.reason), None
@@ -548,7 +472,7 @@ def stream_generate(
                 accepted=cycle.accepted,
                 drafted=cycle.drafted,
                 source=cycle.source,
-                prompt_tokens=len(ids),
+                prompt_tokens=prompt_tokens,
                 prompt_cached=reused,
                 prompt_tps=prompt_tps,
                 generation_tokens=generated,

@@ -233,6 +233,16 @@ def test_api_key_is_required(server):
         openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0).models.list()
 
 
+def test_an_unknown_route_and_a_wrong_method_say_which(server):
+    """404 not_found and 405 method_not_allowed, in the shape of the API the path belongs to."""
+    r = httpx.get(f"{server}/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.get(f"{server}/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"]
+    r = httpx.post(f"{server}/v1/nothing", json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
 def test_soak_memory_does_not_grow(server, client):
     def active() -> int:
         return httpx.get(f"{server}/health", headers={"x-api-key": KEY}).json()["active_memory_bytes"]

@@ -5,7 +5,7 @@ coding agents (Claude Code, Codex CLI, Qwen Code).
 - ``request``: what a request asks for (``Completion``), whichever API it came through, and ``Dialect``.
 - ``openai_api``, ``anthropic_api``, ``responses_api``: one module per API; a new one is one module and one
   entry in ``app.DIALECTS``.
-- ``app``: the HTTP routes, streams with keep-alives, and the server's lifecycle.
+- ``app``: the application and the server's lifecycle; ``routes``: the HTTP handlers, streams with keep-alives.
 - ``prompt_cache``: many conversations' caches, in memory and on disk.
 """
 

@@ -24,7 +24,8 @@ from ..cache_files import fingerprint
 from ..caches import make_cache
 from ..distributed import from_main, from_main_bytes
 from ..errors import DFlashError
-from ..generate import GenerationResponse, GenerationResult, stream_generate
+from ..generate import stream_generate
+from ..responses import GenerationResponse, GenerationResult
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .request import APIError, Completion, Defaults

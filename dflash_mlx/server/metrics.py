@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..generate import GenerationResult
+from ..responses import GenerationResult
 
 
 class Metrics:
