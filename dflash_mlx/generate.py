@@ -84,6 +84,17 @@ def _cut(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int]
     return tokens, None
 
 
+class _Drafted(NamedTuple):
+    """A cycle's input, built lazily: [last ; drafts], where the drafts came from, and the keys its verdict uses."""
+
+    proposal: Optional[Proposal]
+    source: str  # of the proposal
+    block: mx.array  # [n]: the last token and the drafts
+    absorbed: list[Any]  # drafter context states computed along (evaluated with the cycle)
+    key: Optional[mx.array]  # the verdict's
+    row_keys: Optional[mx.array]  # seeded match sampling: a key per block position
+
+
 class _InFlight(NamedTuple):
     """A cycle the device is computing: the drafter's proposal and the target's verdict on it."""
 
@@ -94,19 +105,17 @@ class _InFlight(NamedTuple):
     features: mx.array  # the target's features of [last ; drafts], for the drafter's next context
     scores: Optional[Scores]  # per block position, of the token the cycle emits there (asked for: logprobs)
 
+    def arrays(self) -> list[Any]:
+        """What the one read of the cycle needs evaluated."""
+        return [x for x in (self.proposal and self.proposal.tokens, self.accept, self.target_tokens) if x is not None] + [
+            x for x in self.scores or () if x is not None]
 
-def _start_cycle(
+
+def _draft(
     target: Target, drafter: Drafter, cache: DFlashCache, sampling: Sampling, last: mx.array, n_draft: int,
-    copied: list[int], key: Optional[mx.array], logprobs: Optional[int],
-) -> _InFlight:
-    """Build one cycle's graph (draft ``n_draft`` tokens, verify [last ; drafts]) and start evaluating it.
-
-    With ``copied`` (a copy draft) those are the drafts and the drafter does not run.
-
-    With ``logprobs`` (alternatives per token) the verify's own logits also score the
-    token each position emits: an accepted draft before the first rejection, the
-    target's token from there. No pass runs for them; they travel with the one read.
-    """
+    copied: list[int], key: Optional[mx.array],
+) -> _Drafted:
+    """Draft ``n_draft`` tokens after ``last`` (lazily); with ``copied`` (a copy draft) those, and no drafter pass."""
     k_draft = k_verify = row_keys = None
     if key is not None:
         k_draft, k_verify = mx.random.split(key)
@@ -114,29 +123,38 @@ def _start_cycle(
         n_draft = len(copied)
     if sampling.positional:  # the block's positions follow the committed history and ``last``
         row_keys = position_keys(sampling.seed, len(cache.tokens) + 1, n_draft + 1)
-    with mx.stream(generation_stream):
-        proposal = None
-        if copied:
-            proposal = copy_proposal(copied, sampling, target.vocab_size)
-        elif n_draft:
-            proposal = cache.draft(drafter, target, last, n_draft, sampling, k_draft)
-        block = last if proposal is None else mx.concatenate([last, proposal.tokens])
-        absorbed = []
-        if (copied or proposal is None) and cache.pending >= CATCH_UP:  # the drafter not running: its context
-            cache.absorb_context(drafter)  # keeps up, computed now, so that the next draft does not pay for the run
-            absorbed = [c.state for c in cache.drafter]
-        logits, features = target(block[None], cache.target)
-        accept, target_tokens = verify(sampling, proposal, logits[0], k_verify, row_keys)
-        scored = None
-        if logprobs is not None:
-            emitted = target_tokens
-            if proposal is not None:
-                kept = mx.cumprod(accept.astype(mx.int32)) > 0
-                emitted = mx.concatenate([mx.where(kept, proposal.tokens, target_tokens[:-1]), target_tokens[-1:]])
-            scored = scores(logits[0], emitted, logprobs)
-    mx.async_eval([x for x in (proposal and proposal.tokens, accept, target_tokens) if x is not None], absorbed,
-                  [x for x in scored or () if x is not None])
-    return _InFlight(proposal, COPY if copied else DRAFTER, accept, target_tokens, features, scored)
+    proposal = None
+    if copied:
+        proposal = copy_proposal(copied, sampling, target.vocab_size)
+    elif n_draft:
+        proposal = cache.draft(drafter, target, last, n_draft, sampling, k_draft)
+    block = last if proposal is None else mx.concatenate([last, proposal.tokens])
+    absorbed = []
+    if (copied or proposal is None) and cache.pending >= CATCH_UP:  # the drafter not running: its context
+        cache.absorb_context(drafter)  # keeps up, computed now, so that the next draft does not pay for the run
+        absorbed = [c.state for c in cache.drafter]
+    return _Drafted(proposal, COPY if copied else DRAFTER, block, absorbed, k_verify, row_keys)
+
+
+def _verdict(
+    sampling: Sampling, drafted: _Drafted, logits: mx.array, features: mx.array, logprobs: Optional[int]
+) -> _InFlight:
+    """The target's verdict on a drafted block from its logits [n, V] (lazily).
+
+    With ``logprobs`` (alternatives per token) the verify's own logits also score the
+    token each position emits: an accepted draft before the first rejection, the
+    target's token from there. No pass runs for them; they travel with the one read.
+    """
+    proposal = drafted.proposal
+    accept, target_tokens = verify(sampling, proposal, logits, drafted.key, drafted.row_keys)
+    scored = None
+    if logprobs is not None:
+        emitted = target_tokens
+        if proposal is not None:
+            kept = mx.cumprod(accept.astype(mx.int32)) > 0
+            emitted = mx.concatenate([mx.where(kept, proposal.tokens, target_tokens[:-1]), target_tokens[-1:]])
+        scored = scores(logits, emitted, logprobs)
+    return _InFlight(proposal, drafted.source, accept, target_tokens, features, scored)
 
 
 def _read(cycle: _InFlight) -> tuple[list[int], int, list[int]]:
@@ -197,11 +215,89 @@ class _Emitted(NamedTuple):
     top: Optional[list[list[tuple[int, float]]]]  # each token's most likely alternatives, with theirs
 
 
-def _decode(
-    target: Target, drafter: Drafter, cache: DFlashCache, lease: object, prompt: list[int], max_tokens: int,
-    eos: frozenset[int], prefill_step_size: int, progress: Callable[[int, int], None], sampling: Sampling,
-    policy: DraftPolicy, logprobs: Optional[int],
-) -> Iterator[_Emitted]:
+class _Row:
+    """One generation's decoding state between cycles: its cache and lease, sampling, policy, budget and last token.
+
+    The solo loop (``_decode``) and a batch of generations (``batch``) drive it alike:
+    ``first`` takes the prefill's logits; each cycle is ``plan``, ``draft``, the
+    target's pass over the drafted block (alone, or stacked with other rows'),
+    ``_verdict``, one read, and ``finish``, which commits what was kept.
+    """
+
+    def __init__(self, target: Target, drafter: Drafter, cache: DFlashCache, lease: object, sampling: Sampling,
+                 policy: DraftPolicy, logprobs: Optional[int], eos: frozenset[int], max_tokens: int) -> None:
+        self.target, self.drafter, self.cache, self.lease = target, drafter, cache, lease
+        self.sampling, self.policy, self.logprobs, self.eos, self.max_tokens = sampling, policy, logprobs, eos, max_tokens
+        self.key = None if sampling.greedy else sampling.key()
+        self.emitted = 0
+        self.last: mx.array = mx.array([0])  # the last emitted token, which the target has not consumed yet
+        self.last_id: Optional[int] = None
+        self.read_at = time.perf_counter()  # when the last cycle was read: a cycle started before waits from there
+
+    def next_key(self) -> Optional[mx.array]:
+        """A fresh key for the next draw (None when greedy)."""
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def first(self, logits: mx.array) -> _Emitted:
+        """The first token, from the prefill's last logits."""
+        last, scored = _first_token(logits, self.sampling, self.next_key(), len(self.cache.tokens), self.logprobs)
+        self.last, self.last_id = last, last.item()
+        tokens, reason = _cut([self.last_id], self.eos, self.max_tokens)
+        lps, top = _read_scores(scored, len(tokens))
+        self.emitted = len(tokens)
+        return _Emitted(tokens, [], DRAFTER, 0, reason, self.cache.nbytes, lps, top)
+
+    def plan(self, emitted: Optional[int] = None) -> Plan:
+        """The policy's plan, within the block and what is left of the budget after ``emitted`` tokens."""
+        emitted = self.emitted if emitted is None else emitted
+        plan, cap = self.policy.plan(self.cache.tokens), min(self.cache.block_size - 1, self.max_tokens - emitted - 1)
+        return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
+
+    def draft(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> _Drafted:
+        """The cycle's input after ``last``; ``last_id`` is its value, None while it is still lazy (a pipelined
+        plain step, which copies nothing)."""
+        key = self.next_key()
+        copied: list[int] = []
+        if plan.source == COPY:
+            assert last_id is not None, "a copy needs the token it continues"
+            copied = self.policy.repeats.continuation(self.cache.tokens, last_id, plan.depth)
+        n_draft = plan.fallback if plan.source == COPY else plan.depth  # no copy offered: the drafter's plan
+        return _draft(self.target, self.drafter, self.cache, self.sampling, last, n_draft, copied, key)
+
+    def start(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> tuple[_InFlight, float]:
+        """Draft and verify one cycle on this row's own caches, evaluating in the background."""
+        started = time.perf_counter()
+        with mx.stream(generation_stream):
+            drafted = self.draft(plan, last, last_id)
+            logits, features = self.target(drafted.block[None], self.cache.target)
+            cycle = _verdict(self.sampling, drafted, logits[0], features, self.logprobs)
+        mx.async_eval(cycle.arrays(), drafted.absorbed)
+        return cycle, started
+
+    def finish(self, cycle: _InFlight, started: float, committed: bool = False) -> _Emitted:
+        """Read a verified cycle, commit what it kept (unless ``committed`` already: a plain step), tell the policy
+        what it cost from ``started`` (as a user waits for it: overlap with the previous cycle excluded)."""
+        if not self.cache.holds_lease(self.lease):
+            raise DFlashError("another generation took over this cache; this one cannot go on")
+        drafted, accepted, target_tokens = _read(cycle)
+        now = time.perf_counter()
+        seconds, self.read_at = now - max(started, self.read_at), now
+        tokens, reason = _cut(drafted[:accepted] + [target_tokens[accepted]], self.eos, self.max_tokens - self.emitted)
+        lps, top = _read_scores(cycle.scores, len(tokens))
+        self.emitted += len(tokens)
+        kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
+        if not committed:
+            self.cache.commit([self.last_id] + drafted[:kept], cycle.features[:, : kept + 1])
+        self.policy.observe(len(drafted), accepted, seconds, cycle.source)
+        self.last, self.last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
+        return _Emitted(tokens, drafted, cycle.source, accepted, reason, self.cache.nbytes, lps, top)
+
+
+def _decode(row: _Row, prompt: list[int], prefill_step_size: int, progress: Callable[[int, int], None]
+            ) -> Iterator[_Emitted]:
     """Prefill, then draft-verify-commit cycles; yield each verified cycle's tokens.
 
     The next cycle is started before the previous one's tokens are yielded, so the
@@ -213,68 +309,26 @@ def _decode(
     the prompt and the emitted tokens, except possibly the last one, which the
     target has not consumed yet.
     """
-    key = None if sampling.greedy else sampling.key()
-
-    def choose(emitted: int) -> Plan:
-        plan, cap = policy.plan(cache.tokens), min(cache.block_size - 1, max_tokens - emitted - 1)
-        return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
-
-    def start(last: mx.array, last_id: Optional[int], plan: Plan) -> tuple[_InFlight, float]:
-        """Start a cycle after ``last``; ``last_id`` is its value, None while it is still lazy (a pipelined plain
-        step, which copies nothing)."""
-        nonlocal key
-        cycle_key = None
-        if key is not None:
-            key, cycle_key = mx.random.split(key)
-        started = time.perf_counter()
-        copied: list[int] = []
-        if plan.source == COPY:
-            assert last_id is not None, "a copy needs the token it continues"
-            copied = policy.repeats.continuation(cache.tokens, last_id, plan.depth)
-        n_draft = plan.fallback if plan.source == COPY else plan.depth  # no copy offered: the drafter's plan
-        return _start_cycle(target, drafter, cache, sampling, last, n_draft, copied, cycle_key, logprobs), started
-
-    policy.start()
+    cache = row.cache
+    row.policy.start()
     try:
-        first_key = None
-        if key is not None:
-            key, first_key = mx.random.split(key)
-        logits = _prefill(target, drafter, cache, prompt, prefill_step_size, progress)
-        last, scored = _first_token(logits, sampling, first_key, len(cache.tokens), logprobs)
-        last_id = last.item()
-        tokens, reason = _cut([last_id], eos, max_tokens)
-        lps, top = _read_scores(scored, len(tokens))
-        emitted, drafted, source, accepted = len(tokens), [], DRAFTER, 0
-        ahead, planned, read_at = None, None, time.perf_counter()
+        out = row.first(_prefill(row.target, row.drafter, cache, prompt, prefill_step_size, progress))
+        ahead, planned, row.read_at = None, None, time.perf_counter()
         while True:
-            if reason is None:
-                (cycle, started), ahead = ahead or start(last, last_id, choose(emitted) if planned is None
-                                                              else planned), None
-                planned, committed = None, cycle.proposal is None and emitted + 1 < max_tokens
+            if out.reason is None:
+                (cycle, started), ahead = ahead or row.start(planned or row.plan(), row.last, row.last_id), None
+                planned, committed = None, cycle.proposal is None and row.emitted + 1 < row.max_tokens
                 if committed:  # a plain step: commit it now; when the next is plain too, start it now
-                    cache.commit([last_id], cycle.features)
-                    planned = choose(emitted + 1)
+                    cache.commit([row.last_id], cycle.features)
+                    planned = row.plan(row.emitted + 1)
                     if planned == Plan(0):
-                        ahead, planned = start(cycle.target_tokens, None, planned), None
-            yield _Emitted(tokens, drafted, source, accepted, reason, cache.nbytes, lps, top)  # the previous cycle's
-            if reason is not None:
+                        ahead, planned = row.start(planned, cycle.target_tokens, None), None
+            yield out  # the previous cycle's
+            if out.reason is not None:
                 return
-            if not cache.holds_lease(lease):
-                raise DFlashError("another generation took over this cache; this one cannot go on")
-            drafted, accepted, target_tokens = _read(cycle)
-            seconds = time.perf_counter() - max(started, read_at)  # as a user waits for it, overlap excluded
-            read_at = time.perf_counter()
-            tokens, reason = _cut(drafted[:accepted] + [target_tokens[accepted]], eos, max_tokens - emitted)
-            lps, top = _read_scores(cycle.scores, len(tokens))
-            emitted += len(tokens)
-            kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
-            if not committed:
-                cache.commit([last_id] + drafted[:kept], cycle.features[:, : kept + 1])
-            source = cycle.source
-            policy.observe(len(drafted), accepted, seconds, source)
-            last, last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
+            out = row.finish(cycle, started, committed)
     finally:
-        if cache.holds_lease(lease):
+        if cache.holds_lease(row.lease):
             cache.abandon()
 
 
@@ -390,10 +444,8 @@ def stream_generate(
     if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
-    decoder = _decode(
-        target, drafter, cache, lease, ids[reused:], max_tokens, eos, prefill_step_size,
-        prompt_progress_callback or (lambda done, total: None), sampling, policy, logprobs,
-    )
+    row = _Row(target, drafter, cache, lease, sampling, policy, logprobs, eos, max_tokens)
+    decoder = _decode(row, ids[reused:], prefill_step_size, prompt_progress_callback or (lambda done, total: None))
     yield from _responses(decoder, target, tokenizer.detokenizer, stops, len(ids), reused)
 
 
