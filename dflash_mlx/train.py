@@ -9,20 +9,8 @@ inference uses (``drafter.Blocks``: an explicit mask per layer window keeps bloc
 hides the context from the anchor on), and scores block positions 1..B-1 through the target's frozen LM head. The result is a
 z-lab layout checkpoint in OUT, measured by tau on the held-out prompts.
 
-Choices the paper leaves open:
+Choices the paper leaves open (initialisation and the mask token: see ``drafter_init``):
 
-- Initialisation. The drafter's output goes through the target's LM head and its context K/V
-  come from normalised target features, so the draft layers start as copies of the target
-  layers right after the last feature layer (the last ``layers`` layers when fewer follow),
-  by parameter name where shapes fit (quantized weights dequantized; an MoE MLP or a
-  linear-attention block does not fit and keeps MLX's default init). ``hidden_norm`` copies
-  the first source layer's ``input_layernorm``: with one feature layer the context K/V then
-  start out exactly as that target layer computes them. ``fc`` starts as the average of the
-  feature slices, ``norm`` as the target's final norm (the LM head reads its output).
-- Mask token. A special token named like a mask, else the pad token, else one named
-  unused/reserved, else the last vocabulary id; never an EOS id, and never a token whose
-  embedding is all zeros (RMSNorm keeps zeros zero: every MASK position would get the same
-  query and the block could not tell its positions apart).
 - RoPE. Each block is rotated by the drafter's own rope module with its anchor as offset
   (``mx.fast.rope`` takes one offset per batch row, so blocks become rows), and context keys
   from 0: positions are the inference positions by construction.
@@ -35,13 +23,12 @@ Choices the paper leaves open:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,44 +37,18 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator
 
+from .bench import degenerate
 from .drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids
-from .chat_template import prompt_ids, user
+from .drafter_init import draft_config, init_from_target, pick_mask_token
 from .errors import DFlashError
 from .files import write_atomic
-from .bench import degenerate
 from .generate import generate
 from .loader import cast_floats, check_pair, load_drafter, load_target, resolve
 from .target import Target
+from .train_data import (BUILTIN_PROMPTS, Sequences, data_key, prepare_data, read_prompts, split_prompts,
+                         training_sequences)
 
-Prompt = Union[str, list[dict[str, str]]]
 Progress = Callable[[dict[str, Any]], None]
-
-BUILTIN_PROMPTS: tuple[str, ...] = (
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-    "Implement binary search in JavaScript and explain its complexity.",
-    "What does the `git rebase` command do, and when should I avoid it?",
-    "Write a bash one-liner that counts the lines of every .py file in a directory tree.",
-    "Write a C function that reverses a linked list in place.",
-    "How do I read a CSV file with pandas and compute the mean of one column?",
-    "Solve for x: 3x + 7 = 22. Show each step.",
-    "A train travels 180 km in 2.5 hours. What is its average speed in km/h?",
-    "What is the derivative of x^3 * sin(x)?",
-    "Prove that the sum of two even numbers is even.",
-    "If a shirt costs $40 after a 20% discount, what was the original price?",
-    "How many ways can 5 books be arranged on a shelf?",
-    "Compute the integral of 1/(1 + x^2) from 0 to 1.",
-    "Give me three tips for staying focused while working from home.",
-    "Write a short, friendly email declining a meeting invitation.",
-    "Summarise the causes of the French Revolution in a paragraph.",
-    "What are the main differences between a cold and the flu?",
-    "Suggest a three-day itinerary for a first visit to Rome.",
-    "Write a haiku about autumn rain.",
-    "Explain how photosynthesis works to a ten-year-old.",
-    "What is the capital of Australia, and why was it chosen?",
-    "Translate 'Where is the nearest train station?' into French and Spanish.",
-)
 
 WARMUP = 0.04  # share of training spent warming up
 GRAD_CLIP = 1.0
@@ -107,63 +68,7 @@ class TrainResult:
     evaluated: int = 0  # held-out replies measured
 
 
-# --- data -----------------------------------------------------------------------------------
-
-
-def _parse_prompt(row: Any, where: str) -> Prompt:
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
-        return row["prompt"]
-    messages = row.get("messages") if isinstance(row, dict) else None
-    if isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        # A trailing assistant turn is dropped: the target writes its own reply.
-        while messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        if messages:
-            return [{"role": m["role"], "content": m["content"]} for m in messages]
-    raise DFlashError(
-        f'{where}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}'
-    )
-
-
-def read_prompts(path: Path) -> list[Prompt]:
-    """Prompts from a JSONL file, one ``{"prompt": ...}`` or ``{"messages": [...]}`` per line."""
-    if not path.is_file():
-        raise DFlashError(f"prompt file {path}: no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DFlashError(f"prompt file {path} is not UTF-8 text ({e.reason})") from None
-    prompts: list[Prompt] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path} line {n} is not valid JSON ({e.msg})") from None
-        prompts.append(_parse_prompt(row, f"{path} line {n}"))
-    if not prompts:
-        raise DFlashError(f"prompt file {path} is empty: expected one JSON object per line")
-    return prompts
-
-
-def split_prompts(prompts: Sequence[Prompt], eval_prompts: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
-    """(training, held-out): a seeded shuffle, with max(eval_prompts, 10%) prompts held out."""
-    held = max(eval_prompts, math.ceil(0.1 * len(prompts)))
-    if held >= len(prompts):
-        raise DFlashError(
-            f"{len(prompts)} prompts leave none to train on once {held} are held out for evaluation: "
-            f"give more than {held} prompts (or, from Python, a lower eval_prompts)"
-        )
-    order = np.random.default_rng(seed).permutation(len(prompts))
-    return [prompts[i] for i in order[held:]], [prompts[i] for i in order[:held]]
-
-
-def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """A prompt's token ids as the target is asked it: through its chat template when it has one."""
-    return prompt_ids(tokenizer, user(prompt) if isinstance(prompt, str) else prompt)
+# --- the replies ----------------------------------------------------------------------------
 
 
 def respond(
@@ -191,46 +96,7 @@ def respond(
     return [replies[uid] for uid in uids]
 
 
-def prepare_data(
-    out: Path, model: nn.Module, tokenizer: Any, train_prompts: list[Prompt], held_out: list[Prompt],
-    response_tokens: int, key: dict[str, Any], progress: Progress,
-) -> dict[str, Any]:
-    """Training sequences (prompt and response ids) and held-out prompt ids, cached in OUT/data.json.
-
-    ``key`` names everything the data depends on; a cache made under another key is remade.
-    """
-    path = out / "data.json"
-    if path.is_file():
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return cached
-    ids = [encode(tokenizer, p) for p in train_prompts]
-    replies = respond(model, ids, response_tokens, frozenset(tokenizer.eos_token_ids), progress)
-    train = [{"prompt": p, "response": r} for p, r in zip(ids, replies)]
-    data = {"key": key, "train": train, "eval": [encode(tokenizer, p) for p in held_out]}
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(data))
-    return data
-
-
 # --- the objective --------------------------------------------------------------------------
-
-
-def pick_mask_token(tokenizer: Any, target: Target) -> int:
-    """The MASK id: a mask-like special, pad, an unused/reserved special, else the last id (see module doc)."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    specials = {i: getattr(t, "content", str(t)).lower() for i, t in added.items()}
-
-    def named(*words: str) -> list[int]:
-        return [i for i, name in sorted(specials.items()) if any(w in name for w in words)]
-
-    eos = set(tokenizer.eos_token_ids)
-    for token in named("mask") + [tokenizer.pad_token_id] + named("unused", "reserved") + [target.vocab_size - 1]:
-        if token is None or token in eos or not 0 <= token < target.vocab_size:
-            continue
-        if mx.any(target.embed(mx.array([token])) != 0).item():
-            return int(token)
-    raise DFlashError("found no usable mask token: every candidate is an EOS token or has an all-zero embedding")
 
 
 def loss_gamma(block_size: int) -> float:
@@ -317,75 +183,7 @@ def learning_rate(progress: float, peak: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - WARMUP) / (1 - WARMUP))))
 
 
-# --- the drafter ----------------------------------------------------------------------------
-
-
-def draft_config(target: Target, layers: int, block_size: int, layer_ids: list[int], mask_token: int) -> dict[str, Any]:
-    """A z-lab style config.json for a drafter of ``target``'s shapes and rope."""
-    a = target.lm.args
-    rope_scaling = getattr(a, "rope_scaling", None) or {}
-    rope_type = rope_scaling.get("type") or rope_scaling.get("rope_type", "default")
-    if rope_type == "dynamic":
-        raise DFlashError("targets with dynamic NTK rope scaling cannot be trained for yet (positions vary per block)")
-    theta = getattr(a, "rope_theta", None) or (getattr(a, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3",
-        "block_size": block_size,
-        "dflash_config": {"mask_token_id": mask_token, "target_layer_ids": list(layer_ids)},
-        "num_target_layers": target.num_layers,
-        "num_hidden_layers": layers,
-        "hidden_size": target.hidden_size,
-        "intermediate_size": a.intermediate_size,
-        "num_attention_heads": a.num_attention_heads,
-        "num_key_value_heads": a.num_key_value_heads,
-        "head_dim": getattr(a, "head_dim", None) or target.hidden_size // a.num_attention_heads,
-        "rms_norm_eps": a.rms_norm_eps,
-        "rope_theta": theta,
-        "rope_scaling": rope_scaling if rope_type != "default" else None,
-        "max_position_embeddings": getattr(a, "max_position_embeddings", None) or 40960,
-        "layer_types": ["full_attention"] * layers,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "attention_bias": False,
-        "vocab_size": target.vocab_size,
-        "tie_word_embeddings": bool(getattr(a, "tie_word_embeddings", False)),
-        "dtype": str(target.dtype).split(".")[-1],
-    }
-
-
-def _dense_weights(module: nn.Module) -> dict[str, mx.array]:
-    """A module's float weights by name, quantized linear layers dequantized."""
-    weights = {k: v for k, v in tree_flatten(module.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
-    for name, m in module.named_modules():
-        if isinstance(m, nn.QuantizedLinear):
-            weights[f"{name}.weight"] = mx.dequantize(
-                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
-            )
-    return weights
-
-
-def _copy_matching(dst: nn.Module, src: dict[str, mx.array]) -> None:
-    own = tree_flatten(dst.parameters())
-    fitting = [(k, src[k].astype(v.dtype)) for k, v in own if k in src and src[k].shape == v.shape]
-    dst.load_weights(fitting, strict=False)
-
-
-def init_from_target(drafter: Drafter, target: Target) -> list[int]:
-    """Start from the target's own weights where shapes fit (see module doc); returns the source layers."""
-    n, layers = target.num_layers, len(drafter.layers)
-    start = max(0, min(drafter.target_layer_ids[-1] + 1, n - layers))
-    sources = [min(start + i, n - 1) for i in range(layers)]
-    for layer, j in zip(drafter.layers, sources):
-        _copy_matching(layer, _dense_weights(target.body.layers[j]))
-    first = _dense_weights(target.body.layers[sources[0]])
-    if "input_layernorm.weight" in first:
-        _copy_matching(drafter.hidden_norm, {"weight": first["input_layernorm.weight"]})
-    _copy_matching(drafter.norm, _dense_weights(target.body.norm))
-    n_features, hidden = len(drafter.target_layer_ids), drafter.args.hidden_size
-    drafter.fc.weight = mx.concatenate([mx.eye(hidden) / n_features] * n_features, axis=1)
-    return sources
+# --- checkpoints and evaluation -------------------------------------------------------------
 
 
 def save_checkpoint(folder: Path, drafter: Drafter, optimizer: optim.Optimizer, state: dict[str, Any]) -> None:
@@ -506,6 +304,151 @@ def saved_step(out: str) -> Optional[int]:
     return read_checkpoint_state(checkpoint)["step"] if (checkpoint / "state.json").is_file() else None
 
 
+def _check_output(out_dir: Path, resume: bool) -> None:
+    """Refuse a file, a checkpoint that would be overwritten without --resume, and a resume of nothing."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DFlashError(f"output {out_dir} is a file; expected a folder")
+    saved = (out_dir / CHECKPOINT / "state.json").is_file()
+    if saved and not resume:
+        raise DFlashError(
+            f"{out_dir} already holds a training checkpoint: add --resume to continue it, or choose another folder"
+        )
+    if resume and not saved:
+        raise DFlashError(f"{out_dir} holds no training checkpoint to resume; run without --resume")
+
+
+def _feature_target(model: nn.Module, layers: int, target_layer_ids: Optional[list[int]]) -> Target:
+    """The target capturing the given feature layers, else the default ones for a drafter of ``layers`` layers."""
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(Target(model, []).num_layers, layers)
+    return Target(model, target_layer_ids)
+
+
+def _saved_state(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's state, refused when it was made with other settings: a resume may change the budget only."""
+    saved = read_checkpoint_state(out_dir / CHECKPOINT)
+    changed = [k for k in settings if saved["settings"].get(k) != settings[k]]
+    if changed:
+        was = ", ".join(_setting(k, saved["settings"].get(k)) for k in changed)
+        raise DFlashError(f"{out_dir} was trained with {was}: resume with the same settings")
+    return saved
+
+
+def _start(
+    target: Target, config: dict[str, Any], checkpoint: Path, resume: bool, settings: dict[str, Any], seed: int,
+    lr: float,
+) -> tuple[Drafter, optim.Optimizer, dict[str, Any]]:
+    """The drafter, its optimizer and the loop state: restored from the checkpoint, else initialised from the target.
+
+    Seeded first, so that what the target's weights do not fill gets the same default init every run.
+    """
+    mx.random.seed(seed)
+    drafter = Drafter(DrafterArgs.from_dict(config))
+    optimizer = optim.AdamW(learning_rate=lr)
+    if resume:
+        return drafter, optimizer, load_checkpoint(checkpoint, drafter, optimizer)
+    init_from_target(drafter, target)
+    return drafter, optimizer, {"step": 0, "elapsed": 0.0, "losses": [], "settings": settings, "config": config}
+
+
+@dataclass
+class _Loop:
+    """One call's training loop: what every step reads, the budget, and this call's throughput.
+
+    ``state`` is what a checkpoint saves: step, elapsed, losses, settings and config.
+    """
+
+    target: Target
+    drafter: Drafter
+    optimizer: optim.Optimizer
+    state: dict[str, Any]
+    sequences: Sequences
+    checkpoint: Path
+    checkpoint_every: int
+    seed: int
+    batch_size: int
+    anchors: int
+    block_size: int
+    lr: float
+    steps: Optional[int]
+    time_budget: Optional[float]
+    tokens: int = 0  # supervised block positions, this call
+    seconds: float = 0.0  # spent in training steps, this call
+
+    def done(self) -> float:
+        """The share of the budget spent: the schedule and the stop rule read it alike (see module doc)."""
+        if self.steps is not None:
+            return self.state["step"] / self.steps
+        return self.state["elapsed"] / self.time_budget
+
+    def step(self, loss_and_grad: Callable[[Batch], tuple[mx.array, Any]]) -> float:
+        """One optimizer step on sequences and anchors drawn from a generator seeded by (seed, step); returns its lr."""
+        tic = time.perf_counter()
+        rng = np.random.default_rng([self.seed, self.state["step"]])
+        picks = rng.choice(len(self.sequences), size=min(self.batch_size, len(self.sequences)), replace=False)
+        batch = make_batch(self.target, [self.sequences[i] for i in picks], rng, self.anchors, self.block_size,
+                           self.drafter.mask_token_id)
+        rate = learning_rate(self.done(), self.lr)
+        self.optimizer.learning_rate = rate
+        loss, grads = loss_and_grad(batch)
+        grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
+        self.optimizer.update(self.drafter, grads)
+        mx.eval(self.drafter.parameters(), self.optimizer.state, loss)
+        elapsed = time.perf_counter() - tic
+        self.state["step"] += 1
+        self.state["elapsed"] += elapsed
+        self.state["losses"].append(loss.item())
+        self.tokens, self.seconds = self.tokens + batch.tokens, self.seconds + elapsed
+        return rate
+
+    def snapshot(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Weights, optimizer state and loop state as they are now (arrays are immutable: holding them copies none)."""
+        state = json.loads(json.dumps(self.state))
+        return self.drafter.parameters(), tree_map(lambda x: x, self.optimizer.state), state
+
+    def run(self, report: Progress) -> None:
+        """Steps until the budget is spent, checkpointing every ``checkpoint_every`` steps and after the last.
+
+        Ctrl-C mid-step still checkpoints the last completed step, so an interruption loses nothing.
+        """
+        weights = position_weights(self.block_size)
+        loss_and_grad = nn.value_and_grad(self.drafter,
+                                          lambda batch: block_loss(self.drafter, self.target, batch, weights))
+        good = self.snapshot()
+        try:
+            while self.done() < 1:
+                rate = self.step(loss_and_grad)
+                good = self.snapshot()
+                if self.state["step"] % self.checkpoint_every == 0 or self.done() >= 1:
+                    save_checkpoint(self.checkpoint, self.drafter, self.optimizer, self.state)
+                report({
+                    "phase": "train", "step": self.state["step"], "steps": self.steps,
+                    "progress": min(1.0, self.done()), "loss": self.state["losses"][-1], "lr": rate,
+                    "tokens_per_s": self.tokens / self.seconds, "elapsed": self.state["elapsed"],
+                })
+        except KeyboardInterrupt:
+            self.drafter.update(good[0])
+            self.optimizer.state = good[1]
+            save_checkpoint(self.checkpoint, self.drafter, self.optimizer, good[2])
+            raise
+
+
+def _finish(loop: _Loop, tokenizer: Any, out_dir: Path, held_out: list[list[int]], response_tokens: int,
+            report: Progress) -> TrainResult:
+    """Export the drafter, measure it on the held-out prompts, and report the result."""
+    state = loop.state
+    export(out_dir, loop.drafter, state["config"])
+    tau, looping = evaluate(loop.target, tokenizer, out_dir, held_out, loop.block_size, response_tokens, report)
+    result = TrainResult(
+        loss=state["losses"][-1] if state["losses"] else None, steps=state["step"],
+        tokens_per_s=loop.tokens / loop.seconds if loop.seconds else 0.0, tau=tau, output=out_dir,
+        losses=list(state["losses"]), looping=looping, evaluated=len(held_out),
+    )
+    report({"phase": "done", "loss": result.loss, "steps": result.steps, "tokens_per_s": result.tokens_per_s,
+            "tau": result.tau, "output": str(out_dir)})
+    return result
+
+
 def train(
     target: str,
     out: str,
@@ -540,106 +483,27 @@ def train(
                         response_tokens, eval_prompts, checkpoint_every)
     report = progress or (lambda info: None)
     out_dir = Path(out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DFlashError(f"output {out_dir} is a file; expected a folder")
-    checkpoint = out_dir / CHECKPOINT
-    if (checkpoint / "state.json").is_file() and not resume:
-        raise DFlashError(
-            f"{out_dir} already holds a training checkpoint: add --resume to continue it, or choose another folder"
-        )
-    if resume and not (checkpoint / "state.json").is_file():
-        raise DFlashError(f"{out_dir} holds no training checkpoint to resume; run without --resume")
+    _check_output(out_dir, resume)
     prompt_list = read_prompts(Path(prompts).expanduser()) if prompts is not None else list(BUILTIN_PROMPTS)
 
     model, tokenizer = load_target(resolve(target, "target"))
-    n_layers = Target(model, []).num_layers
-    layer_ids = list(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(n_layers, layers)
-    tgt = Target(model, layer_ids)
-    key = {
-        "prompts": hashlib.sha256(json.dumps(prompt_list).encode()).hexdigest(),
-        "eval_prompts": eval_prompts, "seed": seed, "response_tokens": response_tokens,
-        "target": [tgt.num_layers, tgt.hidden_size, tgt.vocab_size],
-    }
-    settings = dict(key, layers=layers, block_size=block_size, target_layer_ids=layer_ids,
+    tgt = _feature_target(model, layers, target_layer_ids)
+    key = data_key(prompt_list, eval_prompts, seed, response_tokens, tgt)
+    settings = dict(key, layers=layers, block_size=block_size, target_layer_ids=tgt.layer_ids,
                     batch_size=batch_size, anchors=anchors, lr=lr)
-    saved = read_checkpoint_state(checkpoint) if resume else None
-    if saved is not None:
-        changed = [k for k in settings if saved["settings"].get(k) != settings[k]]
-        if changed:
-            was = ", ".join(_setting(k, saved["settings"].get(k)) for k in changed)
-            raise DFlashError(f"{out_dir} was trained with {was}: resume with the same settings")
+    saved = _saved_state(out_dir, settings) if resume else None
 
     train_prompts, held_out = split_prompts(prompt_list, eval_prompts, seed)
-    data = prepare_data(out_dir, model, tokenizer, train_prompts, held_out, response_tokens, key, report)
-    sequences = [(s["prompt"], s["response"]) for s in data["train"] if len(s["response"]) >= block_size]
-    if not sequences:
-        raise DFlashError(
-            f"every reply of the target is shorter than the block size ({block_size}): "
-            "lower --block-size (or, from Python, raise response_tokens)"
-        )
+    data = prepare_data(out_dir, tokenizer, train_prompts, held_out, key,
+                        lambda ids: respond(model, ids, response_tokens, frozenset(tokenizer.eos_token_ids), report))
+    sequences = training_sequences(data, block_size)
 
-    if saved:
-        config = saved["config"]
-    else:
-        config = draft_config(tgt, layers, block_size, layer_ids, pick_mask_token(tokenizer, tgt))
-    mx.random.seed(seed)
-    drafter = Drafter(DrafterArgs.from_dict(config))
-    optimizer = optim.AdamW(learning_rate=lr)
-    if saved:
-        state = load_checkpoint(checkpoint, drafter, optimizer)
-    else:
-        init_from_target(drafter, tgt)
-        state = {"step": 0, "elapsed": 0.0, "losses": [], "settings": settings, "config": config}
-    mask_token = drafter.mask_token_id
-
-    weights = position_weights(block_size)
-    loss_and_grad = nn.value_and_grad(drafter, lambda batch: block_loss(drafter, tgt, batch, weights))
-
-    def done_fraction() -> float:
-        return state["step"] / steps if steps is not None else state["elapsed"] / time_budget
-
-    tokens, seconds = 0, 0.0
-    # The state after the last completed step (arrays are immutable: holding them costs no copy),
-    # so that Ctrl-C mid-step still checkpoints a consistent step and loses nothing.
-    good = (drafter.parameters(), tree_map(lambda x: x, optimizer.state), json.loads(json.dumps(state)))
-    try:
-        while done_fraction() < 1:
-            tic = time.perf_counter()
-            rng = np.random.default_rng([seed, state["step"]])
-            picks = rng.choice(len(sequences), size=min(batch_size, len(sequences)), replace=False)
-            batch = make_batch(tgt, [sequences[i] for i in picks], rng, anchors, block_size, mask_token)
-            rate = learning_rate(done_fraction(), lr)
-            optimizer.learning_rate = rate
-            loss, grads = loss_and_grad(batch)
-            grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
-            optimizer.update(drafter, grads)
-            mx.eval(drafter.parameters(), optimizer.state, loss)
-            elapsed = time.perf_counter() - tic
-            state["step"] += 1
-            state["elapsed"] += elapsed
-            state["losses"].append(loss.item())
-            good = (drafter.parameters(), tree_map(lambda x: x, optimizer.state), json.loads(json.dumps(state)))
-            tokens, seconds = tokens + batch.tokens, seconds + elapsed
-            if state["step"] % checkpoint_every == 0 or done_fraction() >= 1:
-                save_checkpoint(checkpoint, drafter, optimizer, state)
-            report({
-                "phase": "train", "step": state["step"], "steps": steps, "progress": min(1.0, done_fraction()),
-                "loss": state["losses"][-1], "lr": rate, "tokens_per_s": tokens / seconds, "elapsed": state["elapsed"],
-            })
-    except KeyboardInterrupt:
-        drafter.update(good[0])
-        optimizer.state = good[1]
-        save_checkpoint(checkpoint, drafter, optimizer, good[2])
-        raise
-
-    export(out_dir, drafter, config)
-    held_out = data["eval"][:eval_prompts]
-    tau, looping = evaluate(tgt, tokenizer, out_dir, held_out, block_size, response_tokens, report)
-    result = TrainResult(
-        loss=state["losses"][-1] if state["losses"] else None, steps=state["step"],
-        tokens_per_s=tokens / seconds if seconds else 0.0, tau=tau, output=out_dir, losses=list(state["losses"]),
-        looping=looping, evaluated=len(held_out),
-    )
-    report({"phase": "done", "loss": result.loss, "steps": result.steps, "tokens_per_s": result.tokens_per_s,
-            "tau": result.tau, "output": str(out_dir)})
-    return result
+    config = saved["config"] if saved else draft_config(tgt, layers, block_size, tgt.layer_ids,
+                                                        pick_mask_token(tokenizer, tgt))
+    checkpoint = out_dir / CHECKPOINT
+    drafter, optimizer, state = _start(tgt, config, checkpoint, saved is not None, settings, seed, lr)
+    loop = _Loop(target=tgt, drafter=drafter, optimizer=optimizer, state=state, sequences=sequences,
+                 checkpoint=checkpoint, checkpoint_every=checkpoint_every, seed=seed, batch_size=batch_size,
+                 anchors=anchors, block_size=block_size, lr=lr, steps=steps, time_budget=time_budget)
+    loop.run(report)
+    return _finish(loop, tokenizer, out_dir, data["eval"][:eval_prompts], response_tokens, report)

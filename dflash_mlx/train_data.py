@@ -1,0 +1,153 @@
+"""The training corpus: prompts read and split once into training and held-out sets, and the data cache.
+
+Prompts come from a JSONL file or the built-in list. The target's replies to the training
+prompts are cached with the prompt ids in ``OUT/data.json`` under a key naming everything they
+depend on, so a resumed run never regenerates them. The replies themselves come from the
+caller (``train.respond`` runs the target): this module runs no model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+
+import numpy as np
+
+from .chat_template import prompt_ids, user
+from .errors import DFlashError
+from .files import write_atomic
+
+if TYPE_CHECKING:
+    from .target import Target
+
+Prompt = Union[str, list[dict[str, str]]]
+Sequences = list[tuple[list[int], list[int]]]  # (prompt ids, response ids) pairs
+
+BUILTIN_PROMPTS: tuple[str, ...] = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Implement binary search in JavaScript and explain its complexity.",
+    "What does the `git rebase` command do, and when should I avoid it?",
+    "Write a bash one-liner that counts the lines of every .py file in a directory tree.",
+    "Write a C function that reverses a linked list in place.",
+    "How do I read a CSV file with pandas and compute the mean of one column?",
+    "Solve for x: 3x + 7 = 22. Show each step.",
+    "A train travels 180 km in 2.5 hours. What is its average speed in km/h?",
+    "What is the derivative of x^3 * sin(x)?",
+    "Prove that the sum of two even numbers is even.",
+    "If a shirt costs $40 after a 20% discount, what was the original price?",
+    "How many ways can 5 books be arranged on a shelf?",
+    "Compute the integral of 1/(1 + x^2) from 0 to 1.",
+    "Give me three tips for staying focused while working from home.",
+    "Write a short, friendly email declining a meeting invitation.",
+    "Summarise the causes of the French Revolution in a paragraph.",
+    "What are the main differences between a cold and the flu?",
+    "Suggest a three-day itinerary for a first visit to Rome.",
+    "Write a haiku about autumn rain.",
+    "Explain how photosynthesis works to a ten-year-old.",
+    "What is the capital of Australia, and why was it chosen?",
+    "Translate 'Where is the nearest train station?' into French and Spanish.",
+)
+
+
+def _parse_prompt(row: Any, where: str) -> Prompt:
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        return row["prompt"]
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        # A trailing assistant turn is dropped: the target writes its own reply.
+        while messages and messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if messages:
+            return [{"role": m["role"], "content": m["content"]} for m in messages]
+    raise DFlashError(
+        f'{where}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}'
+    )
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Prompts from a JSONL file, one ``{"prompt": ...}`` or ``{"messages": [...]}`` per line."""
+    if not path.is_file():
+        raise DFlashError(f"prompt file {path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"prompt file {path} is not UTF-8 text ({e.reason})") from None
+    prompts: list[Prompt] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"{path} line {n} is not valid JSON ({e.msg})") from None
+        prompts.append(_parse_prompt(row, f"{path} line {n}"))
+    if not prompts:
+        raise DFlashError(f"prompt file {path} is empty: expected one JSON object per line")
+    return prompts
+
+
+def split_prompts(prompts: Sequence[Prompt], eval_prompts: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(training, held-out): a seeded shuffle, with max(eval_prompts, 10%) prompts held out."""
+    held = max(eval_prompts, math.ceil(0.1 * len(prompts)))
+    if held >= len(prompts):
+        raise DFlashError(
+            f"{len(prompts)} prompts leave none to train on once {held} are held out for evaluation: "
+            f"give more than {held} prompts (or, from Python, a lower eval_prompts)"
+        )
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    return [prompts[i] for i in order[held:]], [prompts[i] for i in order[:held]]
+
+
+def encode(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids as the target is asked it: through its chat template when it has one."""
+    return prompt_ids(tokenizer, user(prompt) if isinstance(prompt, str) else prompt)
+
+
+def data_key(prompts: Sequence[Prompt], eval_prompts: int, seed: int, response_tokens: int,
+             target: Target) -> dict[str, Any]:
+    """Everything the cached data depends on: the prompts, their split, the reply length and the target's shapes."""
+    return {
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+        "eval_prompts": eval_prompts, "seed": seed, "response_tokens": response_tokens,
+        "target": [target.num_layers, target.hidden_size, target.vocab_size],
+    }
+
+
+def prepare_data(
+    out: Path, tokenizer: Any, train_prompts: list[Prompt], held_out: list[Prompt], key: dict[str, Any],
+    answer: Callable[[list[list[int]]], list[list[int]]],
+) -> dict[str, Any]:
+    """Training sequences (prompt and response ids) and held-out prompt ids, cached in OUT/data.json.
+
+    ``key`` names everything the data depends on; a cache made under another key is remade.
+    ``answer`` gives the target's replies to prompt ids, the slow part: it runs on a cache miss only.
+    """
+    path = out / "data.json"
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return cached
+    ids = [encode(tokenizer, p) for p in train_prompts]
+    train = [{"prompt": p, "response": r} for p, r in zip(ids, answer(ids))]
+    data = {"key": key, "train": train, "eval": [encode(tokenizer, p) for p in held_out]}
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(data))
+    return data
+
+
+def training_sequences(data: dict[str, Any], block_size: int) -> Sequences:
+    """The cached pairs whose reply holds a whole block (an anchor needs B - 1 tokens after it)."""
+    sequences = [(s["prompt"], s["response"]) for s in data["train"] if len(s["response"]) >= block_size]
+    if not sequences:
+        raise DFlashError(
+            f"every reply of the target is shorter than the block size ({block_size}): "
+            "lower --block-size (or, from Python, raise response_tokens)"
+        )
+    return sequences
