@@ -1,24 +1,33 @@
-"""The ``dflash-mlx`` command line: a thin layer over the library API."""
+"""The ``dflash-mlx`` command line: a thin layer over the library API.
+
+Each command checks its flags (cli_checks), loads MODEL (cli_models), runs the library and
+prints what it did (cli_output, cli_progress; the chat loop in cli_chat, bench's steps in cli_bench).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import signal
 import sys
-from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import __version__, distributed
+from .cli_checks import (check_bench, check_http_stack, check_loaded, check_options, check_serving, duration,
+                         integers, origins, prompt_caches)
+from .cli_models import bundle_manifests, load_model, pair_rows, thinking_mismatch
+from .cli_output import (generation_json, generation_stats, looping_note, print_machine, print_models,
+                         print_selftest, rank_peaks, serving_line, training_summary)
+from .cli_progress import prefill_progress, training_progress
 from .errors import DFlashError
-from .files import write_atomic
+
+if TYPE_CHECKING:
+    from .generate import GenerationResponse
 
 app = typer.Typer(
     add_completion=False,
@@ -51,28 +60,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130)
 
     return wrapper
-
-
-@contextlib.contextmanager
-def prefill_progress() -> Iterator[Callable[[int, int], None]]:
-    """A transient progress bar on stderr for prompts that take more than one prefill chunk."""
-    bar = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=err, transient=True)
-    task = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal task
-        if task is None and 0 < done < total:
-            bar.start()
-            task = bar.add_task("prefill", total=total)
-        if task is not None:
-            bar.update(task, completed=done)
-
-    try:
-        yield update
-    finally:
-        if task is not None:
-            bar.stop()
 
 
 def _version(value: bool) -> None:
@@ -121,73 +108,19 @@ SOURCE = typer.Option("auto", "--draft-source", help="Where drafts come from: au
                                                       "of text the context already holds), drafter, or copy only.")
 
 
-def _check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
-                   prefill_step_size: Optional[int] = None, draft_source: str = "auto", **sampling: Any) -> None:
-    """Fail on bad flag values before loading gigabytes of weights (the window against the drafter's block after)."""
-    from .caches import check_window
-    from .policy import check_source
-    from .sampling import Sampling
-
-    check_source(draft_source)
-    if block_size is not None and block_size < 1:
-        raise DFlashError(f"--block-size must be >= 1, got {block_size}")
-    if prefill_step_size is not None and prefill_step_size < 1:
-        raise DFlashError(f"--prefill-step must be >= 1, got {prefill_step_size}")
-    if max_tokens < 1:
-        raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if window is not None:
-        check_window(window, sinks, block_size or 1)
-    Sampling(**sampling)
-
-
-def _check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
-    """Once the drafter is loaded: a block it was trained for, and a window that holds it."""
-    from .caches import check_block_size, check_window
-
-    if block_size is not None:
-        check_block_size(block_size, drafter)
-    if window is not None:
-        check_window(window, sinks, block_size or drafter.block_size)
-
-
-def _load(model: Optional[str], target: Optional[str], chat_template: Optional[str] = None) -> tuple[str, Any, Any, Any]:
-    """(name, target, drafter, tokenizer) of MODEL, or of the published pair that fits this machine.
-
-    ``chat_template`` is the --chat-template value (a file or the text). Offline, the
-    default pair cannot be downloaded: the error then says how to build and use a local one.
-    """
-    from .chat_template import read_template
-    from .errors import DownloadError
-    from .loader import load
-    from .registry import default_pair
-    from .system import machine_description
-
-    template = read_template(chat_template) if chat_template is not None else None
-    default = model is None
-    if default:
-        model = default_pair(machine_description()["memory_bytes"]).drafter
-        err.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
-    try:
-        return (model, *load(model, target, template))
-    except DownloadError as e:
-        if not default:
-            raise
-        raise DFlashError(f"{e}; offline, `make pair` builds a small local pair and prints the command to chat "
-                          "with it (`make chat MODEL=FOLDER`)") from None
-
-
 def _warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
-def _warn_blas() -> None:
-    """Every command that decodes says when this machine's BLAS will make it slow (Linux only).
+def _before_decoding(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
+    """Once the drafter is loaded: the flags that depend on it, then a warning if this machine's BLAS is slow.
 
-    ``DFLASH_MLX_BLAS_WARNING=0`` silences it, for those who know (the test suite, which
-    checks what else the commands print).
+    Every command that decodes gives that warning (Linux only). ``DFLASH_MLX_BLAS_WARNING=0``
+    silences it, for those who know (the test suite, which checks what else the commands print).
     """
     from .system import blas_check
 
+    check_loaded(window, sinks, block_size, drafter)
     verdict = blas_check()
     if verdict is not None and verdict[0] != "ok" and os.environ.get("DFLASH_MLX_BLAS_WARNING") != "0":
         _warn(verdict[1])
@@ -218,21 +151,29 @@ def generate(
 ) -> None:
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
     from .chat_template import has_chat_template, render, user
-    from .generate import INTERRUPTED, GenerationResponse, GenerationResult, check_context, encode_prompt
-    from .generate import generate as run
+    from .generate import check_context, encode_prompt
 
-    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
-                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
+    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, **sampling)
     if raw and chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
         prompt = sys.stdin.read()
-    _, tgt, drafter, tokenizer = _load(draft, target, chat_template)
-    _check_loaded(window, sinks, block_size, drafter)
-    _warn_blas()
+    _, tgt, drafter, tokenizer = load_model(draft, target, chat_template, err)
+    _before_decoding(window, sinks, block_size, drafter)
     ids = encode_prompt(tokenizer, prompt) if raw or not has_chat_template(tokenizer) else render(tokenizer, user(prompt))
     if warning := check_context(tgt.max_positions, len(ids), max_tokens):
         _warn(warning)
+    responses, interrupted = _stream(tgt, drafter, tokenizer, ids, as_json, max_tokens=max_tokens, block_size=block_size,
+                                     window=window, sinks=sinks, prefill_step_size=prefill_step_size, stop=stop,
+                                     draft_source=draft_source, **sampling)
+    _end_generation(responses, interrupted, as_json)
+
+
+def _stream(tgt: Any, drafter: Any, tokenizer: Any, ids: list[int], as_json: bool,
+            **options: Any) -> tuple[list[GenerationResponse], bool]:
+    """(responses, interrupted): the text printed as it comes unless --json; Ctrl-C keeps what was generated."""
+    from .generate import generate as run
 
     responses: list[GenerationResponse] = []
 
@@ -242,33 +183,27 @@ def generate(
             sys.stdout.write(response.text)
             sys.stdout.flush()
 
-    interrupted = False
     try:
-        with prefill_progress() as progress:
-            run(tgt, drafter, tokenizer, ids, on_response=show, max_tokens=max_tokens, block_size=block_size,
-                window=window, sinks=sinks, prefill_step_size=prefill_step_size, prompt_progress_callback=progress,
-                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify, stop=stop,
-                draft_source=draft_source)
+        with prefill_progress(err) as progress:
+            run(tgt, drafter, tokenizer, ids, on_response=show, prompt_progress_callback=progress, **options)
     except KeyboardInterrupt:  # what was generated is kept: printed, and in the JSON marked interrupted
-        interrupted = True
+        return responses, True
+    return responses, False
+
+
+def _end_generation(responses: list[GenerationResponse], interrupted: bool, as_json: bool) -> None:
+    """The JSON (or the reply's last newline) on stdout, the figures on stderr; exit 130 after Ctrl-C."""
+    from .generate import INTERRUPTED, GenerationResult
+
     result = GenerationResult.from_responses(responses, INTERRUPTED if interrupted else None) if responses else None
     if as_json:
-        figures = result.to_dict() if result else {"text": "", "tokens": [], "finish_reason": INTERRUPTED}
-        peak = result.peak_memory if result else 0.0
-        peaks = [peak] if interrupted else distributed.gather(peak)  # every rank's: the reason to shard is memory
-        typer.echo(json.dumps(figures | {"interrupted": interrupted, "group_size": len(peaks),
-                                         "rank_peak_memory_gb": peaks}))
+        typer.echo(generation_json(result, interrupted, rank_peaks(result.peak_memory if result else 0.0, interrupted)))
     else:
         sys.stdout.write("\n")
     if result is None:
         err.print("[yellow]interrupted[/] before the first token")
     else:
-        copy = result.by_source["copy"]
-        copied = f" | copied {copy['accepted']}/{copy['drafted']}" if copy["drafted"] else ""
-        err.print(f"[dim]prompt {result.prompt_tokens} tok @ {result.prompt_tps:.1f} tok/s | "
-                  f"generated {result.generation_tokens} tok @ {result.generation_tps:.1f} tok/s | "
-                  f"tau {result.tau:.2f}{copied} | peak {result.peak_memory:.2f} GB | {result.finish_reason}[/]",
-                  soft_wrap=True)
+        err.print(generation_stats(result), soft_wrap=True)
     if interrupted:
         raise typer.Exit(130)
 
@@ -277,56 +212,12 @@ def generate(
 @user_errors
 def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
     """List the published drafter -> target pairs, which are downloaded or converted, and the converted bundles."""
-    from huggingface_hub import constants, scan_cache_dir
-    from rich import box
-    from rich.table import Table
-
-    from .registry import known_bundles, pairs
-
-    try:
-        cached = {repo.repo_id for repo in scan_cache_dir(constants.HF_HUB_CACHE).repos}  # read now, as downloads do
-    except Exception:  # no cache folder yet, or an unreadable one
-        cached = set()
-    converted = {}
-    for bundle in known_bundles():
-        manifest = json.loads((bundle / "dflash.json").read_text())
-        converted.setdefault(manifest.get("drafter"), []).append(str(bundle))
-    rows = [
-        dict(name=min(p.names, key=len), drafter=p.drafter, target=p.target, architecture=p.model_type,
-             supported=p.supported,
-             thinking=p.thinking, memory_gb=p.memory_gb, gated=p.gated, notes=p.notes,
-             downloaded=p.drafter in cached and p.target in cached, converted=converted.get(p.drafter, []))
-        for p in pairs()
-    ]
+    manifests = bundle_manifests()
+    rows = pair_rows(manifests)
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    out = Console(highlight=False)
-    # 80 columns hold every row unbroken: the short name one types, the target repo, and a status that wraps
-    # between its words (a missing architecture, gated terms) instead of inside a name.
-    table = Table(title="DFlash drafters on the Hub (z-lab/...)", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True, show_edge=False)
-    table.add_column("name", no_wrap=True)
-    table.add_column("target", no_wrap=True)
-    table.add_column("think", no_wrap=True)
-    table.add_column("~GB", justify="right", no_wrap=True)
-    table.add_column("status", overflow="fold", min_width=len("downloaded"))
-    for p, r in zip(pairs(), rows):
-        status = [] if r["supported"] else ["[dim]not yet[/]"]
-        status += ["converted"] if r["converted"] else (["downloaded"] if r["downloaded"] else [])
-        status += ["[dim]gated[/]"] if r["gated"] else []
-        table.add_row(r["name"], r["target"], r["thinking"], str(r["memory_gb"]), ", ".join(status))
-    out.print(table)
-    out.print("[dim]chat with a name of the first column (dflash-mlx chat Qwen3-8B). not yet: dflash-mlx does not "
-              "run the target's architecture; gated: accept the terms on the model's page, then `hf auth login`; "
-              "--json has every field (architectures, notes)[/]")
-    bundles = known_bundles()
-    out.print(f"\nconverted bundles (take one alone: dflash-mlx chat FOLDER){': none' if not bundles else ''}")
-    for bundle in bundles:
-        manifest = json.loads((bundle / "dflash.json").read_text())
-        quant = manifest.get("quantize") or manifest.get("dtype") or "as published"
-        out.print(f"  {escape(str(bundle))}\n    {escape(str(manifest.get('drafter')))} -> "
-                  f"{escape(str(manifest.get('target')))} ({quant})", overflow="fold")
+    print_models(Console(highlight=False), rows, manifests)
 
 
 @app.command()
@@ -372,71 +263,22 @@ def doctor(
     (logits closer than the threshold it prints, which kernel rounding can flip); 3 a real divergence
     (a bug: please report it with the output).
     """
-    import mlx.core as mx
-    from huggingface_hub import constants
-
-    from .system import blas_check, machine_description, name_conflict
-
     if selftest:
-        from .selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE, check_max_tokens
+        from .selftest import check_max_tokens
         from .selftest import selftest as run
 
         check_max_tokens(max_tokens)
     elif model is not None or target is not None:
         raise DFlashError("MODEL and --target are for the selftest: dflash-mlx doctor --selftest MODEL")
-
-    info = machine_description()
     out = Console(highlight=False, soft_wrap=True)
-    backend = "Metal GPU" if info["backend"] == "metal" else "CPU"
-    memory = info["memory_bytes"] / 2**30
-    if info["backend"] == "metal":
-        memory = mx.device_info().get("memory_size", info["memory_bytes"]) / 2**30
-    out.print(f"MLX backend   {backend} ({info['processor']}), {memory:.1f} GiB memory")
-    if (blas := blas_check()) is not None:
-        verdict, line = blas
-        style = {"reference": "bold red", "spins": "yellow"}.get(verdict)
-        out.print(f"BLAS          {f'[{style}]{escape(line)}[/]' if style else escape(line)}")
-    out.print(f"versions      mlx {info['mlx']}, mlx-lm {info['mlx-lm']}, dflash-mlx {info['dflash-mlx']}")
-    if conflict := name_conflict():
-        out.print(f"[bold red]install[/]       {escape(conflict)}")
-    group = distributed.describe()
-    if group is not None:
-        hosts = ", ".join(f"{r}={h}" for r, h in enumerate(group["hosts"])) or "not named by the launcher"
-        out.print(f"group         {group['size']} ranks over {group['backend']} (rank hosts: {hosts}); "
-                  f"sharded targets: {', '.join(distributed.SHARDED_MODEL_TYPES)}")
-    out.print(f"HF cache      {constants.HF_HUB_CACHE}")
-    from .registry import known_bundles
-
-    bundles = known_bundles()
-    out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (converted ones are listed here)"))
+    print_machine(out)
     if not selftest:
         return
-    model, tgt, drafter, tokenizer = _load(model, target)
+    model, tgt, drafter, tokenizer = load_model(model, target, None, err)
     with err.status("selftest: plain and DFlash greedy decoding") as status:
         result = run(tgt, drafter, tokenizer, max_tokens=max_tokens,
                      on_prompt=lambda record: status.update(f"selftest: {record['prompt']} done"))
-    dtype, limit = str(result.dtype).rsplit(".", 1)[-1], f"{result.threshold:g}"
-    out.print(f"selftest      {escape(model)}: plain vs DFlash greedy, {max_tokens} tokens per prompt; "
-              f"{dtype} logits: a divergence within {limit} of the top logit is a near-tie")
-    for p in result.prompts:
-        line = f"  {p.name:<11} plain {p.plain_tps:.1f} tok/s, DFlash {p.dflash_tps:.1f} tok/s, {p.speedup:.2f}x  "
-        d = p.divergence
-        if d is None:
-            out.print(line + "identical")
-            continue
-        plain_token, dflash_token = (escape(f"{t} {tokenizer.decode([t])!r}") for t in (d.plain_token, d.dflash_token))
-        verdict = f"< {limit}: near-tie" if d.near_tie else f">= {limit}: [bold red]real divergence[/]"
-        out.print(line + f"differs at token {d.position}: plain {plain_token}, DFlash {dflash_token}; target logits: "
-                  f"top-1 - top-2 = {d.margin:.3g}, top-1 - lower of the two = {d.gap:.3g} {verdict}")
-    out.print(f"speedup       {result.speedup:.2f}x overall (decode tok/s, DFlash over plain)")
-    if result.exit_code == EXIT_IDENTICAL:
-        out.print(f"verdict       lossless: identical to plain greedy decoding on all {len(result.prompts)} prompts")
-    elif result.exit_code == EXIT_NEAR_TIE:
-        out.print("verdict       near-ties only: a verify block and a one-token step run kernels of different "
-                  "shapes (on Metal in particular), whose rounding can flip logits this close; not a DFlash bug")
-    else:
-        out.print("verdict       [bold red]real divergence[/]: DFlash emitted a token the target did not prefer; "
-                  "this is a bug, please report it with this output")
+    print_selftest(out, model, result, tokenizer, max_tokens)
     raise typer.Exit(result.exit_code)
 
 
@@ -462,68 +304,19 @@ def chat(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
 ) -> None:
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
-    from .chat import ChatSession, line_editing, run_command, stats_line
-    from .generate import GenerationResponse
-    from .registry import find
+    from .chat import ChatSession
+    from .cli_chat import converse
 
-    _check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature,
-                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
-    model, tgt, drafter, tokenizer = _load(model, target, chat_template)
-    pair = find(model)
-    if pair is not None and think is not None and pair.thinking in ("on", "off") and think != (pair.thinking == "on"):
-        err.print(f"[yellow]warning:[/] {pair.drafter} was trained with thinking {pair.thinking}; "
-                  f"--{'think' if think else 'no-think'} will lower acceptance")
-    _check_loaded(window, sinks, block_size, drafter)
-    _warn_blas()
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
+    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, **sampling)
+    model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err)
+    if warning := thinking_mismatch(model, think):
+        err.print(f"[yellow]warning:[/] {warning}")
+    _before_decoding(window, sinks, block_size, drafter)
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
-                          block_size=block_size, options=dict(max_tokens=max_tokens, temperature=temperature,
-                                                              top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                                              verify=verify, stop=stop, draft_source=draft_source))
-    interactive = sys.stdin.isatty()
-    out = Console(highlight=False)
-    if interactive:
-        out.print(f"[dim]{escape(model)} — /help for commands, Ctrl-C stops a reply[/]")
-
-    def show(response: GenerationResponse) -> None:
-        sys.stdout.write(response.text)
-        sys.stdout.flush()
-
-    interrupts = 0
-    # The prompt stays plain "> ": readline counts every character of it as a column, escapes included.
-    with line_editing() if interactive else contextlib.nullcontext():
-        while True:
-            try:
-                line = input("> " if interactive else "")
-                interrupts = 0
-            except EOFError:
-                if interactive:  # Ctrl-D leaves the cursor after "> "; the shell's prompt starts on a fresh line
-                    sys.stdout.write("\n")
-                break
-            except KeyboardInterrupt:
-                interrupts += 1
-                if interrupts >= 2:
-                    sys.stdout.write("\n")
-                    break
-                out.print("\n[dim](Ctrl-C again or /quit to leave)[/]")
-                continue
-            text = line.strip()
-            if not text:
-                continue
-            if text.startswith("/"):
-                if not run_command(session, text, out):
-                    break
-                continue
-            try:
-                session.reply(text, on_response=show)
-            except KeyboardInterrupt:
-                pass  # the reply stops; its figures so far follow, marked interrupted
-            except DFlashError as e:  # this message cannot be answered (too long, say); the chat goes on
-                err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
-                continue
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            stats = stats_line(session) if session.last else "interrupted before the first token"
-            err.print(f"[dim]{escape(stats)}[/]", soft_wrap=True)
+                          block_size=block_size,
+                          options=dict(max_tokens=max_tokens, **sampling, stop=stop, draft_source=draft_source))
+    converse(session, model, err)
 
 
 @app.command()
@@ -557,138 +350,43 @@ def bench(
 
     Ctrl-C stops early and keeps (prints and writes) the prompts measured so far.
     """
-    from rich.progress import Progress
-
-    from . import bench as b
+    from . import cli_bench
     from .loader import load
-    from .score import confinement, unisolated
 
-    _check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
-    if repeats < 1 or num_prompts < 1:
-        raise DFlashError("--repeats and --num-prompts must be >= 1")
-    if score and (dataset not in ("humaneval", "mbpp") or prompt_tokens):
-        raise DFlashError("--score needs --dataset humaneval or mbpp (their prompts carry tests), without --prompt-tokens")
-    if score_timeout <= 0:
-        raise DFlashError(f"--score-timeout must be above 0, got {score_timeout:g}")
-    if score and distributed.is_main():  # the only rank that runs the programs
-        confinement(score_unisolated)  # refuses before minutes of decoding
-    if distributed.is_main():  # the only rank that writes
-        b.check_outputs({"--json": json_out, "--plot": plot_out}, force)
-    if plot_out:
-        b.require_matplotlib()
-    lengths = None
-    if prompt_tokens:
-        try:
-            lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
-        except ValueError:
-            raise DFlashError(f"--prompt-tokens takes comma-separated integers, got {prompt_tokens!r}") from None
-    if dataset.endswith(".jsonl"):
-        conversations = b.read_jsonl(dataset)
-    elif dataset in b.BUILTIN_SETS or dataset == "all":
-        conversations = b.builtin(dataset)
-    elif dataset in b.DATASETS:
-        conversations = None  # fetched after the cheap checks
-    else:
-        b.fetch(dataset, num_prompts)  # raises the unknown-dataset error
+    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
+    lengths = check_bench(repeats, num_prompts, dataset, prompt_tokens, score, score_timeout, score_unisolated,
+                          json_out, plot_out, force)
+    listed = cli_bench.listed_prompts(dataset, num_prompts)
     tgt, drafter, tokenizer = load(model, target)
-    _check_loaded(window, sinks, block_size, drafter)
-    _warn_blas()
-    if lengths is not None:
-        conversations = b.context_prompts(tokenizer, lengths, tgt.max_positions)
-    elif conversations is None:
-        conversations = b.fetch(dataset, num_prompts)
-    else:
-        conversations = conversations[:num_prompts]
-
-    planned = sum(max(1, len(c.turns)) for c in conversations)
-    records: list[dict[str, Any]] = []
-    interrupted = False
-    with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("bench", total=planned)
-
-        def done(record: dict[str, Any]) -> None:
-            records.append(record)
-            progress.advance(task)
-
-        try:
-            b.measure(tgt, drafter, tokenizer, conversations, max_tokens=max_tokens, block_size=block_size,
-                      draft_source=draft_source, window=window, sinks=sinks, temperature=temperature, repeats=repeats,
-                      on_record=done)
-        except KeyboardInterrupt:  # minutes of measurements are worth keeping
-            interrupted = True
+    _before_decoding(window, sinks, block_size, drafter)
+    conversations = cli_bench.bench_prompts(listed, lengths, dataset, num_prompts, tokenizer, tgt.max_positions)
+    options = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
+                   temperature=temperature, repeats=repeats)
+    records, planned, interrupted = cli_bench.measure(err, tgt, drafter, tokenizer, conversations, **options)
     if interrupted and not records:
         err.print("[yellow]interrupted[/] before the first prompt was measured; nothing written")
         raise typer.Exit(130)
-
-    settings = {"model": model, "target": target, "window": window, "sinks": sinks,
-                "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
-                "draft_source": draft_source,
-                "max_tokens": max_tokens, "temperature": temperature, "repeats": repeats, "dataset": dataset}
-    report = b.report(settings, records, planned, interrupted)
     console = Console(highlight=False, soft_wrap=True)  # long lines wrap instead of being cut
-    b.print_report(report, console)
-    peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)
-    report["group"] = distributed.describe()
-    report["rank_peak_memory_gb"] = [peak] if interrupted else distributed.gather(peak)  # ranks stop apart on Ctrl-C
-    lossless = True
+    report = cli_bench.report(model, target, dataset, drafter, records, planned, interrupted, options, console)
+    lossless: Optional[bool] = True
     if score and distributed.is_main():  # after the gather: a Ctrl-C here stops this rank alone
-        try:
-            with err.status("running the completions' tests"), unisolated(score_unisolated):
-                report["score"] = b.score(records, conversations, tokenizer, score_timeout)
-            lossless = b.print_score(report["score"], temperature, console)
-        except KeyboardInterrupt:  # the measurements are still written
-            interrupted = True
-            err.print("[yellow]interrupted[/] while scoring: no pass@1")
-    if json_out and distributed.is_main():
-        write_atomic(json_out, json.dumps(report, indent=1))
-    if plot_out and distributed.is_main():
-        b.plot(report, plot_out)
-    if interrupted:
+        lossless = cli_bench.score(report, records, conversations, tokenizer, score_timeout, score_unisolated,
+                                   temperature, console, err)
+    cli_bench.write(report, json_out, plot_out)
+    _end_bench(len(records), planned, interrupted, lossless, json_out, plot_out)
+
+
+def _end_bench(measured: int, planned: int, interrupted: bool, lossless: Optional[bool], json_out: Optional[str],
+               plot_out: Optional[str]) -> None:
+    """Exit 130 after Ctrl-C (while measuring, or while testing: lossless None), saying what was kept and where;
+    exit 1 when --score found different problems passing at temperature 0 (a bug)."""
+    if interrupted or lossless is None:
         kept = " and ".join(p for p in (json_out, plot_out) if p)
-        err.print(f"[yellow]interrupted:[/] measured {len(records)} of {planned} prompts"
+        err.print(f"[yellow]interrupted:[/] measured {measured} of {planned} prompts"
                   + (f"; written to {escape(kept)}" if kept else ""), soft_wrap=True)
         raise typer.Exit(130)
     if not lossless:
         raise typer.Exit(1)
-
-
-def _size(text: str, flag: str) -> int:
-    """'8GB', '512MiB', '1.5G' or plain bytes, in bytes."""
-    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-    value = text.strip().upper().removesuffix("B")
-    number = value.rstrip("KMGTI")
-    try:
-        size = float(number) * units[value[len(number):]]
-    except (ValueError, KeyError):
-        raise DFlashError(f"{flag} takes a size like 8GB, 512MiB or a number of bytes, got {text!r}") from None
-    if size <= 0:
-        raise DFlashError(f"{flag} must be above 0, got {text!r}")
-    return int(size)
-
-
-def _cache_dir(path: str) -> Path:
-    """A folder for the prompt cache: made if missing, refused in one line if it cannot be written."""
-    folder = Path(path).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise DFlashError(f"--prompt-cache-dir {path} is a file; give a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DFlashError(f"--prompt-cache-dir {path}: {e.strerror or e}") from None
-    if not os.access(folder, os.W_OK):
-        raise DFlashError(f"--prompt-cache-dir {path} is not writable")
-    return folder
-
-
-def _duration(text: str) -> float:
-    """'90', '90s', '15m' or '1.5h' in seconds."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except ValueError:
-        raise DFlashError(f"--time takes a duration like 90s, 15m or 1.5h, got {text!r}") from None
 
 
 @app.command()
@@ -709,82 +407,37 @@ def train(
     """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
     if not distributed.is_main():  # it writes files and shards nothing: under mlx.launch rank 0 runs it alone
         return
-    from datetime import timedelta
-
-    from rich.table import Column
-
-    from .train import CHECKPOINT, saved_step
     from .train import train as run
 
     if steps is not None and time_budget is not None:
         raise DFlashError("pass --steps or --time, not both")
-    ids = None
-    if target_layer_ids:
+    ids = integers(target_layer_ids, "--target-layer-ids") if target_layer_ids else None
+    budget = duration(time_budget) if time_budget else None
+    with training_progress(err, budget) as show:
         try:
-            ids = [int(x) for x in target_layer_ids.split(",")]
-        except ValueError:
-            raise DFlashError(f"--target-layer-ids takes comma-separated integers, got {target_layer_ids!r}") from None
-    budget = _duration(time_budget) if time_budget else None
+            result = run(target, out, prompts=prompts, layers=layers, block_size=block_size, target_layer_ids=ids,
+                         steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
+        except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
+            _training_interrupted(out)
+    Console(highlight=False).print(training_summary(result, block_size), soft_wrap=True)
+    if note := looping_note(result):
+        err.print(note, soft_wrap=True)
 
-    def text(template: str) -> TextColumn:
-        return TextColumn(template, table_column=Column(no_wrap=True))
 
-    # The texts never wrap; the bar takes the width left over, so "step N/total" and the time fit in 80 columns.
-    bar = Progress(text("{task.description}"), text("{task.fields[count]}"), BarColumn(bar_width=None),
-                   text("{task.fields[time]}"), text("{task.fields[info]}"), console=err, transient=True)
-    tasks: dict[str, Any] = {}
+def _training_interrupted(out: str) -> NoReturn:
+    """Say what Ctrl-C left (the checkpoint to --resume from, or nothing) and exit 130."""
+    from pathlib import Path
 
-    def clock(seconds: Optional[float]) -> str:
-        return "-:--:--" if seconds is None else str(timedelta(seconds=round(seconds)))
+    from .train import CHECKPOINT, saved_step
 
-    def show(event: dict[str, Any]) -> None:
-        phase = event["phase"]
-        if phase == "done":
-            return
-        if not tasks:
-            bar.start()
-        if phase not in tasks:  # the fields exist from the start: the bar renders in its own thread
-            tasks[phase] = bar.add_task(phase, total=1.0 if phase == "train" else event["total"], count="", time="", info="")
-        task = tasks[phase]
-        if phase == "train":
-            step, spent = event["step"], event["elapsed"]  # seconds of training, resumed runs included
-            if budget is None:
-                count, timing = f"step {step}/{event['steps']}", f"ETA {clock(spent / step * (event['steps'] - step))}"
-            else:
-                count, timing = f"step {step}", f"{clock(spent)} elapsed, {clock(max(0.0, budget - spent))} left"
-            info = f"loss {event['loss']:.3f} | {event['tokens_per_s']:.0f} tok/s"
-            bar.update(task, completed=event["progress"], count=count, time=timing, info=info)
-        else:  # generate, eval: rich estimates the time left from the pace so far
-            bar.update(task, completed=event["done"], count=f"{event['done']}/{event['total']}")
-            bar.update(task, time=f"ETA {clock(bar.tasks[task].time_remaining)}")
-
-    try:
-        result = run(target, out, prompts=prompts, layers=layers, block_size=block_size, target_layer_ids=ids,
-                     steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
-    except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
-        step = saved_step(out)
-        if step is None:
-            err.print("\n[yellow]interrupted[/] before the first training step; nothing was saved", soft_wrap=True)
-        else:
-            where = escape(str(Path(out).expanduser() / CHECKPOINT))
-            err.print(f"\n[yellow]interrupted:[/] checkpoint of step {step} saved in {where}; "
-                      "run the same command with --resume to continue", soft_wrap=True)
-        raise typer.Exit(130)
-    finally:
-        if tasks:  # started by the first progress event: stopping an unstarted bar prints a blank line
-            bar.stop()
-    tau = f"{result.tau:.2f}" if result.tau is not None else "n/a"
-    Console(highlight=False).print(
-        f"{result.output}: {result.steps} steps, final loss {result.loss:.3f}, "
-        f"{result.tokens_per_s:.0f} tok/s, held-out tau {tau} (block {block_size})",
-        soft_wrap=True,
-    )
-    if result.looping and result.looping == result.evaluated:
-        err.print(f"[bold red]warning:[/] all {result.evaluated} held-out replies of the target loop on a short span: "
-                  "that tau measures the loop, not the drafter (is the target trained enough?)", soft_wrap=True)
-    elif result.looping:
-        err.print(f"[yellow]note:[/] {result.looping} of {result.evaluated} held-out replies loop, which inflates tau",
-                  soft_wrap=True)
+    step = saved_step(out)
+    if step is None:
+        err.print("\n[yellow]interrupted[/] before the first training step; nothing was saved", soft_wrap=True)
+    else:
+        where = escape(str(Path(out).expanduser() / CHECKPOINT))
+        err.print(f"\n[yellow]interrupted:[/] checkpoint of step {step} saved in {where}; "
+                  "run the same command with --resume to continue", soft_wrap=True)
+    raise typer.Exit(130)
 
 
 @app.command()
@@ -820,48 +473,36 @@ def serve(
 ) -> None:
     """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
     from .server.request import Defaults
-    from .system import install_hint, machine_description
 
-    try:
-        import prometheus_client  # noqa: F401
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        raise DFlashError(f"serve needs its HTTP stack: {install_hint('serve', 'starlette', 'uvicorn', 'prometheus-client')}"
-                          ) from None
-    from .server import Engine
+    check_http_stack()
     from .server import serve as run
 
-    _check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
-                   top_p=top_p, top_k=top_k, min_p=min_p)
-    if not 0 < port < 65536:
-        raise DFlashError(f"--port must be between 1 and 65535, got {port}")
-    if not 0 < keepalive <= 3600:
-        raise DFlashError(f"--keepalive must be between 0 and 3600 seconds, got {keepalive}")
-    if log_level.lower() not in ("debug", "info", "warning", "error"):
-        raise DFlashError(f"--log-level takes debug, info, warning or error, got {log_level!r}")
-    origins = tuple(o.strip() for o in (allowed_origins or "").split(",") if o.strip())
-    if cache_entries < 1:
-        raise DFlashError(f"--prompt-cache-size must be >= 1, got {cache_entries}")
-    memory_cap = _size(cache_bytes, "--prompt-cache-bytes") if cache_bytes else None
-    disk_cap = _size(cache_disk_bytes, "--prompt-cache-disk-bytes")
-    directory = _cache_dir(cache_dir) if cache_dir is not None else None
-    with err.status("loading the model"):
-        model, tgt, drafter, tokenizer = _load(model, target, chat_template)
-    _check_loaded(window, sinks, block_size, drafter)
-    _warn_blas()
-    if memory_cap is None and tgt.group is None:
-        memory_cap = machine_description()["memory_bytes"] // 4
-    engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                    draft_source=draft_source, prefill_step_size=prefill_step_size,
-                    defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens),
-                    cache_entries=cache_entries, cache_bytes=memory_cap, cache_dir=directory,
-                    cache_disk_bytes=disk_cap)
+    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
+                  top_p=top_p, top_k=top_k, min_p=min_p)
+    check_serving(port, keepalive, log_level)
+    caches = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
+    model, engine = _engine(model, target, chat_template, caches, window, sinks, block_size, draft_source=draft_source,
+                            prefill_step_size=prefill_step_size,
+                            defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens))
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
-    run(engine, host, port, api_key, allowed_origins=origins, log_level=log_level, keepalive=keepalive,
-        on_ready=lambda: err.print(
-            f"serving [bold]{escape(model)}[/] at http://{host}:{port}/v1 (OpenAI's chat and Responses APIs, "
-            "Anthropic's at /v1/messages; Ctrl-C stops)", soft_wrap=True))
+    run(engine, host, port, api_key, allowed_origins=origins(allowed_origins), log_level=log_level, keepalive=keepalive,
+        on_ready=lambda: err.print(serving_line(model, host, port), soft_wrap=True))
     err.print("stopped")
+
+
+def _engine(model: Optional[str], target: Optional[str], chat_template: Optional[str], caches: dict[str, Any],
+            window: Optional[int], sinks: int, block_size: Optional[int], **options: Any) -> tuple[str, Any]:
+    """(name, engine): the pair loaded under a status line, its prompt caches capped at a quarter of memory
+    unless --prompt-cache-bytes says otherwise or the target is sharded."""
+    from .server import Engine
+    from .system import machine_description
+
+    with err.status("loading the model"):
+        model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err)
+    _before_decoding(window, sinks, block_size, drafter)
+    if caches["cache_bytes"] is None and tgt.group is None:
+        caches["cache_bytes"] = machine_description()["memory_bytes"] // 4
+    return model, Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
+                         **options, **caches)

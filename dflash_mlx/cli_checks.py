@@ -1,0 +1,149 @@
+"""The command line's flag values, parsed and checked before gigabytes of weights load.
+
+Each check raises DFlashError naming the flag, which the CLI prints as one line: a typo
+costs a second, not the minutes of a download and a load.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from . import distributed
+from .errors import DFlashError
+
+
+def check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
+                  prefill_step_size: Optional[int] = None, draft_source: str = "auto", **sampling: Any) -> None:
+    """Fail on bad flag values before loading gigabytes of weights (the window against the drafter's block after)."""
+    from .caches import check_window
+    from .policy import check_source
+    from .sampling import Sampling
+
+    check_source(draft_source)
+    if block_size is not None and block_size < 1:
+        raise DFlashError(f"--block-size must be >= 1, got {block_size}")
+    if prefill_step_size is not None and prefill_step_size < 1:
+        raise DFlashError(f"--prefill-step must be >= 1, got {prefill_step_size}")
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if window is not None:
+        check_window(window, sinks, block_size or 1)
+    Sampling(**sampling)
+
+
+def check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
+    """Once the drafter is loaded: a block it was trained for, and a window that holds it."""
+    from .caches import check_block_size, check_window
+
+    if block_size is not None:
+        check_block_size(block_size, drafter)
+    if window is not None:
+        check_window(window, sinks, block_size or drafter.block_size)
+
+
+def integers(text: str, flag: str, *, skip_blanks: bool = False) -> list[int]:
+    """A comma-separated list of integers ('1024,4096,'); ``skip_blanks`` lets empty items pass."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip() or not skip_blanks]
+    except ValueError:
+        raise DFlashError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def size(text: str, flag: str) -> int:
+    """'8GB', '512MiB', '1.5G' or plain bytes, in bytes."""
+    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    value = text.strip().upper().removesuffix("B")
+    number = value.rstrip("KMGTI")
+    try:
+        amount = float(number) * units[value[len(number):]]
+    except (ValueError, KeyError):
+        raise DFlashError(f"{flag} takes a size like 8GB, 512MiB or a number of bytes, got {text!r}") from None
+    if amount <= 0:
+        raise DFlashError(f"{flag} must be above 0, got {text!r}")
+    return int(amount)
+
+
+def duration(text: str) -> float:
+    """'90', '90s', '15m' or '1.5h' in seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise DFlashError(f"--time takes a duration like 90s, 15m or 1.5h, got {text!r}") from None
+
+
+def cache_folder(path: str) -> Path:
+    """A folder for the prompt cache: made if missing, refused in one line if it cannot be written."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise DFlashError(f"--prompt-cache-dir {path} is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"--prompt-cache-dir {path}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"--prompt-cache-dir {path} is not writable")
+    return folder
+
+
+def check_http_stack() -> None:
+    """serve's HTTP stack is an extra: say how to install it rather than fail on an import."""
+    from .system import install_hint
+
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise DFlashError(f"serve needs its HTTP stack: {install_hint('serve', 'starlette', 'uvicorn', 'prometheus-client')}"
+                          ) from None
+
+
+def check_serving(port: int, keepalive: float, log_level: str) -> None:
+    """serve's listening flags."""
+    if not 0 < port < 65536:
+        raise DFlashError(f"--port must be between 1 and 65535, got {port}")
+    if not 0 < keepalive <= 3600:
+        raise DFlashError(f"--keepalive must be between 0 and 3600 seconds, got {keepalive}")
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise DFlashError(f"--log-level takes debug, info, warning or error, got {log_level!r}")
+
+
+def origins(allowed: Optional[str]) -> tuple[str, ...]:
+    """--allowed-origins as the CORS list; blanks between the commas are dropped."""
+    return tuple(o.strip() for o in (allowed or "").split(",") if o.strip())
+
+
+def prompt_caches(entries: int, memory: Optional[str], disk: str, folder: Optional[str]) -> dict[str, Any]:
+    """serve's --prompt-cache-* flags as the engine's keywords; a memory cap of None is decided once the target loads."""
+    if entries < 1:
+        raise DFlashError(f"--prompt-cache-size must be >= 1, got {entries}")
+    return dict(cache_entries=entries, cache_bytes=size(memory, "--prompt-cache-bytes") if memory else None,
+                cache_disk_bytes=size(disk, "--prompt-cache-disk-bytes"),
+                cache_dir=cache_folder(folder) if folder is not None else None)
+
+
+def check_bench(repeats: int, num_prompts: int, dataset: str, prompt_tokens: Optional[str], score: bool,
+                score_timeout: float, score_unisolated: bool, json_out: Optional[str], plot_out: Optional[str],
+                force: bool) -> Optional[list[int]]:
+    """bench's flags, the sandbox --score needs and the files it would replace: the --prompt-tokens lengths."""
+    from . import bench
+    from .score import confinement
+
+    if repeats < 1 or num_prompts < 1:
+        raise DFlashError("--repeats and --num-prompts must be >= 1")
+    if score and (dataset not in ("humaneval", "mbpp") or prompt_tokens):
+        raise DFlashError("--score needs --dataset humaneval or mbpp (their prompts carry tests), without --prompt-tokens")
+    if score_timeout <= 0:
+        raise DFlashError(f"--score-timeout must be above 0, got {score_timeout:g}")
+    if score and distributed.is_main():  # the only rank that runs the programs
+        confinement(score_unisolated)  # refuses before minutes of decoding
+    if distributed.is_main():  # the only rank that writes
+        bench.check_outputs({"--json": json_out, "--plot": plot_out}, force)
+    if plot_out:
+        bench.require_matplotlib()
+    return integers(prompt_tokens, "--prompt-tokens", skip_blanks=True) if prompt_tokens else None
