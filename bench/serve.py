@@ -13,7 +13,13 @@ chat template is given with ``--chat-template``: the pair's own (messages as tex
 a comment, the markers mlx-lm infers Qwen's tool-call parser from, so the three send the
 same prompt and decode the same reply, and only the parsing differs.
 
-    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools]
+With ``--clients 1,2,4,8`` it measures continuous batching instead: this server (``--max-batch``
+as sized, every client's rows verified in one pass), the same server one request at a time
+(``--max-batch 1``, the FIFO server) and ``mlx_lm.server`` on the target alone (its batched plain
+decoding), each with that many clients sending requests back to back: aggregate tok/s, decode
+tok/s per request, and time to first token p50/p95.
+
+    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from common import CACHE, print_machine, start_server, stop_server  # re-execs w
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import socket  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -64,8 +72,9 @@ def request(url: str, prompt: str, max_tokens: int, tools: bool = None) -> dict:
                 last = time.perf_counter()
                 first = first or last
                 text.append(piece)
-    tokens = usage["completion_tokens"]
-    return {"ttft": first - tic, "tps": (tokens - 1) / (last - first) if last > first else 0.0, "text": "".join(text)}
+    tokens = usage["completion_tokens"] if usage else len(text)  # (a server that reports no usage: pieces)
+    return {"ttft": first - tic, "tps": (tokens - 1) / (last - first) if last > first else 0.0, "text": "".join(text),
+            "tokens": tokens}
 
 
 def run(url: str, prompts: list[str], max_tokens: int, clients: int) -> list[dict]:
@@ -89,17 +98,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tools", action="store_true", help="measure what tool and reasoning parsing cost")
+    parser.add_argument("--clients", default=None, help="comma-separated client counts: measure batching")
     args = parser.parse_args()
     print_machine()
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
     if pair is None:
         sys.exit("no trained pair: run python bench/build_pair.py first (or pass --pair)")
     chat = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())["chat"]
-    held = [json.loads(line)["prompt"] for line in (pair / "heldout.jsonl").read_text().splitlines()]
+    heldout = pair / "heldout.jsonl"  # a trained pair's; a random one (for batching figures) has none
+    held = [json.loads(line)["prompt"] for line in heldout.read_text().splitlines()] if heldout.exists() else chat
     prompts = [p for pair_ in zip(held, chat) for p in pair_][: args.prompts]  # code and chat, alternating
     print(f"{pair.name}: {len(prompts)} prompts (held-out code and built-in chat), {args.max_tokens} tokens, greedy")
     if args.tools:
         with_and_without_tools(pair, prompts, args.max_tokens)
+        return
+    if args.clients:
+        batching(pair, prompts, args.max_tokens, [int(c) for c in args.clients.split(",")])
         return
     figures = {}
     for name, extra in (("dflash", []), ("plain", ["--block-size", "1"])):
@@ -117,6 +131,73 @@ def main() -> None:
         print(f"{c} client(s): time to first token (median) dflash {ttft['dflash'] * 1e3:.0f} ms, plain "
               f"{ttft['plain'] * 1e3:.0f} ms; decode tok/s (median per request) dflash {tps['dflash']:.1f}, "
               f"plain {tps['plain']:.1f}, ratio {tps['dflash'] / tps['plain']:.2f}; texts identical")
+
+
+def clients_at_once(url: str, prompts: list[str], max_tokens: int, clients: int) -> dict:
+    """``clients`` clients, each sending its share of ``prompts`` back to back: aggregate and per-request figures."""
+    shares = [prompts[i::clients] for i in range(clients)]
+    results: list[dict] = []
+
+    def client(share: list[str]) -> None:
+        for prompt in share:
+            results.append(request(url, prompt, max_tokens) | {"prompt": prompt})
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(share,)) for share in shares if share]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    ttfts = sorted(r["ttft"] for r in results)
+    return {"aggregate": sum(r["tokens"] for r in results) / wall, "per_request": statistics.median(r["tps"] for r in results),
+            "ttft_p50": ttfts[len(ttfts) // 2], "ttft_p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+            "texts": {r["prompt"]: r["text"] for r in results}}
+
+
+def mlx_lm_server(target: Path) -> tuple[subprocess.Popen, str]:
+    """``mlx_lm.server`` on the target alone (its batched plain decoding), on a free loopback port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(target), "--port", str(port),
+                             "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def batching(pair: Path, prompts: list[str], max_tokens: int, counts: list[int]) -> None:
+    """Each server in turn, each client count on it; the same prompts, greedy."""
+    servers = {"dflash batched": lambda: start_server(pair, ["--log-level", "warning"]),
+               "dflash one at a time": lambda: start_server(pair, ["--max-batch", "1", "--log-level", "warning"]),
+               "mlx_lm.server (target)": lambda: mlx_lm_server(pair / "target")}
+    figures: dict[str, dict[int, dict]] = {}
+    for name, start in servers.items():
+        proc, url = start()
+        try:
+            run(url, prompts[:2], 16, 1)  # warm-up
+            figures[name] = {c: clients_at_once(url, prompts, max_tokens, c) for c in counts}
+        finally:
+            stop_server(proc)
+    print(f"{len(prompts)} requests of {max_tokens} tokens per client count; aggregate tok/s (all clients), decode "
+          "tok/s per request (median), time to first token p50 / p95")
+    print(f"{'server':24s} {'clients':>7s} {'aggregate':>9s} {'per req':>8s} {'ttft p50':>9s} {'ttft p95':>9s}")
+    for name, by_count in figures.items():
+        for c, f in by_count.items():
+            print(f"{name:24s} {c:7d} {f['aggregate']:9.1f} {f['per_request']:8.1f} {f['ttft_p50'] * 1e3:7.0f}ms "
+                  f"{f['ttft_p95'] * 1e3:7.0f}ms")
+    ours, fifo, mlx = (figures[n] for n in servers)
+    for c in counts:
+        same = ours[c]["texts"] == fifo[c]["texts"]
+        print(f"{c} clients: batched / one at a time {ours[c]['aggregate'] / fifo[c]['aggregate']:.2f}x, "
+              f"batched / mlx_lm.server {ours[c]['aggregate'] / mlx[c]['aggregate']:.2f}x; "
+              f"texts {'identical' if same else 'DIFFER'} between the two dflash servers, "
+              f"{'identical' if ours[c]['texts'] == mlx[c]['texts'] else 'different'} from mlx_lm.server's")
 
 
 def with_and_without_tools(pair: Path, prompts: list[str], max_tokens: int, repeats: int = 3) -> None:

@@ -470,6 +470,9 @@ def serve(
     cache_disk_bytes: str = typer.Option("20GB", "--prompt-cache-disk-bytes", help="Size cap of --prompt-cache-dir."),
     keepalive: float = typer.Option(
         15.0, "--keepalive", help="Seconds of silence (queue, prefill) after which a stream carries a keep-alive."),
+    max_batch: Optional[int] = typer.Option(
+        None, "--max-batch", help="Requests decoded together, verified in one pass (1: one at a time, in order) "
+        "\\[default: rows of 8k tokens in half the memory, at most 8]."),
 ) -> None:
     """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
     from .server.request import Defaults
@@ -479,10 +482,10 @@ def serve(
 
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
                   top_p=top_p, top_k=top_k, min_p=min_p)
-    check_serving(port, keepalive, log_level)
+    check_serving(port, keepalive, log_level, max_batch)
     caches = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
     model, engine = _engine(model, target, chat_template, caches, window, sinks, block_size, draft_source=draft_source,
-                            prefill_step_size=prefill_step_size,
+                            prefill_step_size=prefill_step_size, max_batch=max_batch,
                             defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens))
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
@@ -496,6 +499,7 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
             window: Optional[int], sinks: int, block_size: Optional[int], **options: Any) -> tuple[str, Any]:
     """(name, engine): the pair loaded under a status line, its prompt caches capped at a quarter of memory
     unless --prompt-cache-bytes says otherwise or the target is sharded."""
+    from .batch import default_max_batch
     from .server import Engine
     from .system import machine_description
 
@@ -504,5 +508,7 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
     _before_decoding(window, sinks, block_size, drafter)
     if caches["cache_bytes"] is None and tgt.group is None:
         caches["cache_bytes"] = machine_description()["memory_bytes"] // 4
+    if options["max_batch"] is None:
+        options["max_batch"] = default_max_batch(tgt, machine_description()["memory_bytes"])
     return model, Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
                          **options, **caches)

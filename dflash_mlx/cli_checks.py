@@ -103,8 +103,11 @@ def check_http_stack() -> None:
                           ) from None
 
 
-def check_serving(port: int, keepalive: float, log_level: str) -> None:
-    """serve's listening flags."""
+def check_serving(port: int, keepalive: float, log_level: str, max_batch: Optional[int]) -> None:
+    """serve's listening and batching flags."""
+    from .batch import check_max_batch
+
+    check_max_batch(max_batch)
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
     if not 0 < keepalive <= 3600:

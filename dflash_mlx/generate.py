@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -136,7 +139,7 @@ def _draft(
     return _Drafted(proposal, COPY if copied else DRAFTER, block, absorbed, k_verify, row_keys)
 
 
-def _verdict(
+def verdict_of(
     sampling: Sampling, drafted: _Drafted, logits: mx.array, features: mx.array, logprobs: Optional[int]
 ) -> _InFlight:
     """The target's verdict on a drafted block from its logits [n, V] (lazily).
@@ -176,17 +179,28 @@ def _read_scores(scored: Optional[Scores], n: int) -> tuple[Optional[list[float]
     return chosen, [list(zip(i, v)) for i, v in zip(scored.top_ids[:n].tolist(), scored.top_logprobs[:n].tolist())]
 
 
-def _prefill(
+def prefill(
     target: Target, drafter: Drafter, cache: DFlashCache, prompt: list[int], chunk: int,
     progress: Callable[[int, int], None],
 ) -> mx.array:
-    """Run ``prompt`` (the tokens the cache lacks) through the target in chunks; the last position's logits.
+    """Run ``prompt`` (the tokens the cache lacks) through the target in chunks; the last position's logits."""
+    for logits in prefill_steps(target, drafter, cache, prompt, chunk, progress):
+        pass
+    return logits
+
+
+def prefill_steps(
+    target: Target, drafter: Drafter, cache: DFlashCache, prompt: list[int], chunk: int,
+    progress: Callable[[int, int], None],
+) -> Iterator[Optional[mx.array]]:
+    """The prefill a chunk at a time: None after each chunk but the last, then the last position's logits.
 
     Each chunk's attention sees only what the caches keep, so no prompt-sized mask
     is ever built. Each chunk is committed as it goes, so an interrupted prefill
     leaves the chunks before it in the cache and the next call resumes there. The
     previous chunk's features enter the drafter's context as the next chunk runs;
-    the last chunk's stay pending for the first draft.
+    the last chunk's stay pending for the first draft. A server runs other
+    requests' cycles between the chunks.
     """
     total = len(prompt)
     progress(0, total)
@@ -198,11 +212,13 @@ def _prefill(
             cache.commit(ids, features)
         mx.eval(logits, [c.state for c in cache.target + cache.drafter], cache.context)
         progress(min(start + chunk, total), total)
+        if start + chunk < total:
+            yield None
     mx.clear_cache()  # prefill's temporaries are the largest buffers of the run
-    return logits[0, -1:]
+    yield logits[0, -1:]
 
 
-class _Emitted(NamedTuple):
+class Emitted(NamedTuple):
     """What the loop hands the caller: one verified cycle's tokens (the prefill's token first)."""
 
     tokens: list[int]
@@ -215,13 +231,13 @@ class _Emitted(NamedTuple):
     top: Optional[list[list[tuple[int, float]]]]  # each token's most likely alternatives, with theirs
 
 
-class _Row:
+class Row:
     """One generation's decoding state between cycles: its cache and lease, sampling, policy, budget and last token.
 
-    The solo loop (``_decode``) and a batch of generations (``batch``) drive it alike:
+    The solo loop (``decode``) and a batch of generations (``batch``) drive it alike:
     ``first`` takes the prefill's logits; each cycle is ``plan``, ``draft``, the
     target's pass over the drafted block (alone, or stacked with other rows'),
-    ``_verdict``, one read, and ``finish``, which commits what was kept.
+    ``verdict_of``, one read, and ``finish``, which commits what was kept.
     """
 
     def __init__(self, target: Target, drafter: Drafter, cache: DFlashCache, lease: object, sampling: Sampling,
@@ -241,14 +257,14 @@ class _Row:
         self.key, key = mx.random.split(self.key)
         return key
 
-    def first(self, logits: mx.array) -> _Emitted:
+    def first(self, logits: mx.array) -> Emitted:
         """The first token, from the prefill's last logits."""
         last, scored = _first_token(logits, self.sampling, self.next_key(), len(self.cache.tokens), self.logprobs)
         self.last, self.last_id = last, last.item()
         tokens, reason = _cut([self.last_id], self.eos, self.max_tokens)
         lps, top = _read_scores(scored, len(tokens))
         self.emitted = len(tokens)
-        return _Emitted(tokens, [], DRAFTER, 0, reason, self.cache.nbytes, lps, top)
+        return Emitted(tokens, [], DRAFTER, 0, reason, self.cache.nbytes, lps, top)
 
     def plan(self, emitted: Optional[int] = None) -> Plan:
         """The policy's plan, within the block and what is left of the budget after ``emitted`` tokens."""
@@ -273,11 +289,11 @@ class _Row:
         with mx.stream(generation_stream):
             drafted = self.draft(plan, last, last_id)
             logits, features = self.target(drafted.block[None], self.cache.target)
-            cycle = _verdict(self.sampling, drafted, logits[0], features, self.logprobs)
+            cycle = verdict_of(self.sampling, drafted, logits[0], features, self.logprobs)
         mx.async_eval(cycle.arrays(), drafted.absorbed)
         return cycle, started
 
-    def finish(self, cycle: _InFlight, started: float, committed: bool = False) -> _Emitted:
+    def finish(self, cycle: _InFlight, started: float, committed: bool = False) -> Emitted:
         """Read a verified cycle, commit what it kept (unless ``committed`` already: a plain step), tell the policy
         what it cost from ``started`` (as a user waits for it: overlap with the previous cycle excluded)."""
         if not self.cache.holds_lease(self.lease):
@@ -293,11 +309,11 @@ class _Row:
             self.cache.commit([self.last_id] + drafted[:kept], cycle.features[:, : kept + 1])
         self.policy.observe(len(drafted), accepted, seconds, cycle.source)
         self.last, self.last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
-        return _Emitted(tokens, drafted, cycle.source, accepted, reason, self.cache.nbytes, lps, top)
+        return Emitted(tokens, drafted, cycle.source, accepted, reason, self.cache.nbytes, lps, top)
 
 
-def _decode(row: _Row, prompt: list[int], prefill_step_size: int, progress: Callable[[int, int], None]
-            ) -> Iterator[_Emitted]:
+def decode(row: Row, prompt: list[int], prefill_step_size: int, progress: Callable[[int, int], None]
+            ) -> Iterator[Emitted]:
     """Prefill, then draft-verify-commit cycles; yield each verified cycle's tokens.
 
     The next cycle is started before the previous one's tokens are yielded, so the
@@ -312,7 +328,7 @@ def _decode(row: _Row, prompt: list[int], prefill_step_size: int, progress: Call
     cache = row.cache
     row.policy.start()
     try:
-        out = row.first(_prefill(row.target, row.drafter, cache, prompt, prefill_step_size, progress))
+        out = row.first(prefill(row.target, row.drafter, cache, prompt, prefill_step_size, progress))
         ahead, planned, row.read_at = None, None, time.perf_counter()
         while True:
             if out.reason is None:
@@ -429,24 +445,54 @@ def stream_generate(
     positions, so small chunks keep a long prompt's peak memory within a few
     percent of a prompt that just fills the window.
     """
-    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
-    pinned = block_size is not None
-    block_size = drafter.block_size if block_size is None else block_size
-    prefill_step_size = _check_settings(drafter, block_size, max_tokens, window, sinks, prefill_step_size, logprobs)
+    request = setup(
+        target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
+        window=window, sinks=sinks, prefill_step_size=prefill_step_size, temperature=temperature, top_p=top_p,
+        top_k=top_k, min_p=min_p, seed=seed, verify=verify, cache=cache, policy=policy, stop=stop, logprobs=logprobs,
+        draft_source=draft_source,
+    )
+    decoder = decode(request.row, request.ids[request.reused:], request.prefill_step_size,
+                      prompt_progress_callback or (lambda done, total: None))
+    yield from responses_of(decoder, target, request.responder)
+
+
+@dataclass
+class Request:
+    """One generation, its settings checked and its cache taken: what the solo loop or a batch runs."""
+
+    row: Row
+    ids: list[int]
+    reused: int  # leading ids the cache already held
+    prefill_step_size: int
+    responder: _Responder
+
+
+def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **settings: Any) -> Request:
+    """One generation with :func:`stream_generate`'s settings (whose signature is their one list, defaults
+    included), checked, its cache taken over the prompt and its policy chosen: what the solo loop or a batch runs."""
+    settings.pop("prompt_progress_callback", None)
+    s = inspect.signature(stream_generate).bind(target, drafter, tokenizer, prompt, **settings)
+    s.apply_defaults()
+    o = SimpleNamespace(**s.arguments)
+    sampling = Sampling(o.temperature, o.top_p, o.top_k, o.min_p, o.seed, o.verify)
+    block_size = drafter.block_size if o.block_size is None else o.block_size
+    prefill_step_size = _check_settings(drafter, block_size, o.max_tokens, o.window, o.sinks, o.prefill_step_size,
+                                        o.logprobs)
     ids = encode_prompt(tokenizer, prompt)
-    check_context(target.max_positions, len(ids), max_tokens)
-    stops = stop_list(stop)
-    eos = frozenset(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    cache = _matching_cache(cache, target, drafter, window, sinks, block_size)
-    check_source(draft_source)
+    check_context(target.max_positions, len(ids), o.max_tokens)
+    eos = frozenset(tokenizer.eos_token_ids if o.eos_token_ids is None else o.eos_token_ids)
+    cache = _matching_cache(o.cache, target, drafter, o.window, o.sinks, block_size)
+    check_source(o.draft_source)
+    policy = o.policy
     if policy is None:
-        policy = _default_policy(target, drafter, sampling, window, block_size, pinned, draft_source)
-    if target.group is not None and not sampling.greedy and seed is None:  # every rank must draw the same
+        policy = _default_policy(target, drafter, sampling, o.window, block_size, o.block_size is not None,
+                                 o.draft_source)
+    if target.group is not None and not sampling.greedy and o.seed is None:  # every rank must draw the same
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
-    row = _Row(target, drafter, cache, lease, sampling, policy, logprobs, eos, max_tokens)
-    decoder = _decode(row, ids[reused:], prefill_step_size, prompt_progress_callback or (lambda done, total: None))
-    yield from _responses(decoder, target, tokenizer.detokenizer, stops, len(ids), reused)
+    row = Row(target, drafter, cache, lease, sampling, policy, o.logprobs, eos, o.max_tokens)
+    responder = _Responder(tokenizer.detokenizer, stop_list(o.stop), len(ids), reused)
+    return Request(row, ids, reused, prefill_step_size, responder)
 
 
 def _check_settings(
@@ -497,46 +543,56 @@ def _default_policy(
     return adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto")
 
 
-def _responses(
-    decoder: Iterator[_Emitted], target: Target, detokenizer: Any, stops: tuple[str, ...], prompt_tokens: int,
-    reused: int,
-) -> Iterator[GenerationResponse]:
-    """The decoder's cycles as responses: text detokenized up to any stop string, with the run's figures so far."""
+class _Responder:
+    """A generation's cycles as responses: text detokenized up to any stop string, with the run's figures so far."""
+
+    def __init__(self, detokenizer: Any, stops: tuple[str, ...], prompt_tokens: int, reused: int) -> None:
+        self.detokenizer, self.prompt_tokens, self.reused = detokenizer, prompt_tokens, reused
+        self.stopper = StopStrings(stops) if stops else None
+        self.started = time.perf_counter()
+        self.prompt_tps, self.first_time, self.generated = 0.0, 0.0, 0
+
+    def respond(self, cycle: Emitted) -> GenerationResponse:
+        """The response to one cycle; it has ``stop_sequence`` set when a stop string ended the generation."""
+        now = time.perf_counter()
+        if not self.generated and not self.first_time:
+            self.prompt_tps = (self.prompt_tokens - self.reused) / (now - self.started)
+            self.first_time = now
+        if self.stopper is None:
+            tokens, text, stopped = cycle.tokens, _detokenize(self.detokenizer, cycle.tokens, cycle.reason), None
+        else:
+            tokens, text, stopped = _detokenize_until_stop(self.detokenizer, self.stopper, cycle.tokens, cycle.reason)
+        self.generated += len(tokens)
+        elapsed = now - self.first_time
+        return GenerationResponse(
+            text=text,
+            tokens=tokens,
+            accepted=cycle.accepted,
+            drafted=cycle.drafted,
+            source=cycle.source,
+            prompt_tokens=self.prompt_tokens,
+            prompt_cached=self.reused,
+            prompt_tps=self.prompt_tps,
+            generation_tokens=self.generated,
+            generation_tps=(self.generated - 1) / elapsed if elapsed > 0 and self.generated > 1 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            cache_bytes=cycle.cache_bytes,
+            finish_reason="stop" if stopped is not None else cycle.reason,
+            stop_sequence=stopped,
+            logprobs=None if cycle.logprobs is None else cycle.logprobs[: len(tokens)],
+            top_logprobs=None if cycle.top is None else cycle.top[: len(tokens)],
+        )
+
+
+def responses_of(decoder: Iterator[Emitted], target: Target, responder: _Responder) -> Iterator[GenerationResponse]:
+    """The decoder's cycles as responses, until the end or a stop string."""
     mx.reset_peak_memory()
-    tic = time.perf_counter()
-    prompt_tps, first_time, generated = 0.0, 0.0, 0
-    stopper = StopStrings(stops) if stops else None
+    responder.started = time.perf_counter()
     with wired_limit(target.model, [generation_stream]), _release_buffers(), contextlib.closing(decoder):
-        for i, cycle in enumerate(decoder):
-            now = time.perf_counter()
-            if i == 0:
-                prompt_tps = (prompt_tokens - reused) / (now - tic)
-                first_time = now
-            if stopper is None:
-                tokens, text, stopped = cycle.tokens, _detokenize(detokenizer, cycle.tokens, cycle.reason), None
-            else:
-                tokens, text, stopped = _detokenize_until_stop(detokenizer, stopper, cycle.tokens, cycle.reason)
-            generated += len(tokens)
-            elapsed = now - first_time
-            yield GenerationResponse(
-                text=text,
-                tokens=tokens,
-                accepted=cycle.accepted,
-                drafted=cycle.drafted,
-                source=cycle.source,
-                prompt_tokens=prompt_tokens,
-                prompt_cached=reused,
-                prompt_tps=prompt_tps,
-                generation_tokens=generated,
-                generation_tps=(generated - 1) / elapsed if elapsed > 0 and generated > 1 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                cache_bytes=cycle.cache_bytes,
-                finish_reason="stop" if stopped is not None else cycle.reason,
-                stop_sequence=stopped,
-                logprobs=None if cycle.logprobs is None else cycle.logprobs[: len(tokens)],
-                top_logprobs=None if cycle.top is None else cycle.top[: len(tokens)],
-            )
-            if stopped is not None:
+        for cycle in decoder:
+            response = responder.respond(cycle)
+            yield response
+            if response.stop_sequence is not None:
                 return  # closing the decoder abandons its cycle in flight
 
 

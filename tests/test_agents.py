@@ -585,7 +585,7 @@ def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, clien
              ("/v1/responses", {"model": "any", "stream": True, "input": "hi"}, ": keepalive")]
     seen: dict[str, list] = {}
 
-    def listen(path: str, body: dict) -> None:  # each stream waits in the queue behind the long prefill
+    def listen(path: str, body: dict) -> None:  # each stream waits behind the long prefill's chunks
         with httpx.stream("POST", f"{server['url']}{path}", json=body, headers={"x-api-key": KEY}, timeout=120) as r:
             seen[path] = [(time.perf_counter(), line) for line in r.iter_lines() if line]
 
@@ -596,6 +596,6 @@ def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, clien
         t.join()
     for path, _, keepalive in cases:
         stamps, lines = zip(*seen[path])
-        assert lines[0] == keepalive and lines.count(keepalive) >= 2, (path, lines[:5])
+        assert lines.count(keepalive) >= 2, (path, lines[:5])
         assert max(b - a for a, b in zip(stamps, stamps[1:])) < 2.5, path
     worker.join()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..cache_files import fingerprint
+from ..batch import Batch, check_max_batch
 from ..caches import make_cache
 from ..distributed import from_main, from_main_bytes
 from ..errors import DFlashError
@@ -60,7 +61,8 @@ class Engine:
     def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
                  sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
                  defaults: Defaults = Defaults(), cache_entries: int = 10, cache_bytes: Optional[int] = None,
-                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None, draft_source: str = "auto"):
+                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None, draft_source: str = "auto",
+                 max_batch: int = 1):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size,
                             draft_source=draft_source)
@@ -72,6 +74,10 @@ class Engine:
                               "and --prompt-cache-bytes under mlx.launch")
         print_ = fingerprint(target, drafter, window, sinks, cache.block_size) if cache_dir is not None else None
         self.store = PromptCache(cache, cache_entries, cache_bytes, cache_dir, cache_disk_bytes, print_)
+        check_max_batch(max_batch)
+        # Rows share a pass only where every layer is full attention, without a window, on one machine.
+        self.max_batch = max_batch if Batch.fits(target, cache) else 1
+        self.runner: Optional[Any] = None  # the batching loop, while it runs
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.cancelled = 0  # requests whose client left before they finished
         self.metrics = Metrics()
@@ -82,6 +88,15 @@ class Engine:
         With a sharded target this is rank 0, which hands each request to the other
         ranks (``follow``) before running it, and tells them to stop when it stops.
         """
+        if self.max_batch > 1:
+            from .batching import BatchRunner
+
+            self.runner = BatchRunner(self)
+            try:
+                self.runner.run(serving)
+            finally:
+                self.store.close()
+            return
         try:
             while serving():
                 try:
@@ -121,13 +136,11 @@ class Engine:
     def _answer(self, job: Job) -> None:
         try:
             self._run(job)
-        except DFlashError as e:
-            job.report("error", APIError(400, str(e)))
         except KeyboardInterrupt:
             job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
             raise
-        except Exception as e:  # a bug must not take the server down with it
-            job.report("error", APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+        except Exception as e:  # noqa: BLE001 (a bug must not take the server down with it)
+            job.report("error", failure(e))
 
     def _cancelled(self, job: Job) -> bool:
         """Whether the client left; with a sharded target rank 0's answer, so that every rank stops together."""
@@ -174,13 +187,25 @@ class Engine:
             return
         run = GenerationResult.from_responses(seen)
         self.metrics.record(run, ttft)
-        job.report("done", {
-            "finish_reason": run.finish_reason, "stop_sequence": run.stop_sequence,
-            "prompt_tokens": run.prompt_tokens, "cached_tokens": run.prompt_cached, "completion_tokens": len(run.tokens),
-            "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate,
-                       "sources": run.by_source},
-            "decode_tps": run.generation_tps,
-        })
+        job.report("done", figures(run))
+
+
+def figures(run: GenerationResult) -> dict[str, Any]:
+    """What ``done`` reports of a finished request (the dialects' usage and the log line read it)."""
+    return {
+        "finish_reason": run.finish_reason, "stop_sequence": run.stop_sequence,
+        "prompt_tokens": run.prompt_tokens, "cached_tokens": run.prompt_cached, "completion_tokens": len(run.tokens),
+        "dflash": {"cycles": run.cycles, "tau": run.tau, "acceptance_rate": run.acceptance_rate,
+                   "sources": run.by_source},
+        "decode_tps": run.generation_tps,
+    }
+
+
+def failure(e: Exception) -> APIError:
+    """A request's failure as its client sees it: a 400 for what it asked (DFlashError), else a 500."""
+    if isinstance(e, DFlashError):
+        return APIError(400, str(e))
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
 
 
 class _ClientLeft(Exception):

@@ -11,7 +11,7 @@ class Metrics:
     """What ``GET /metrics`` reports, in Prometheus' text format (a registry of this server's own)."""
 
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
 
@@ -24,6 +24,8 @@ class Metrics:
         self.generated = counter("generated_tokens", "Tokens generated")
         self.drafted = counter("drafted_tokens", "Tokens proposed (by the drafter or copied from the context)")
         self.accepted = counter("accepted_tokens", "Drafted tokens the target accepted")
+        self.batch = Gauge("dflash_batch_rows", "Requests decoding together (one pass verifies them all)",
+                           registry=self.registry)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from the start of a request's "
                               "generation to its first token", registry=self.registry,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))

@@ -112,10 +112,12 @@ class PromptCache:
         self._clock += 1
         return self._clock
 
-    def prepare(self, ids: list[int]) -> None:
-        """Restore the entry that serves the most of ``ids`` into the cache, if it serves more than the cache does."""
+    def prepare(self, ids: list[int], cache: Optional[DFlashCache] = None) -> None:
+        """Restore the entry that serves the most of ``ids`` into ``cache`` (the server's one by default), if it
+        serves more than the cache does."""
+        cache = self.cache if cache is None else cache
         self.entries = [e for e in self.entries if e.state is not None or e.path is not None]  # files trimmed away
-        held = usable(self.cache.tokens, self.cache.rewindable, ids)
+        held = usable(cache.tokens, cache.rewindable, ids)
         for entry in sorted(self.entries, key=lambda e: (usable(e.tokens, e.rewindable, ids), e.used), reverse=True):
             if usable(entry.tokens, entry.rewindable, ids) <= held:
                 return
@@ -123,11 +125,11 @@ class PromptCache:
             if state is None:
                 continue  # unreadable: dropped, try the next best
             try:
-                self.cache.restore(state)
+                cache.restore(state)
             except Exception as e:  # noqa: BLE001 (whatever a file that passed its checks still holds wrong)
                 log.warning("prompt cache: dropping %s: %s", entry.path or "an entry", " ".join(str(e).split())[:200])
                 self._drop(entry)  # else every request sharing its prefix would fail on it again
-                self.cache.reset()  # a restore that failed half-way leaves caches nobody can vouch for
+                cache.reset()  # a restore that failed half-way leaves caches nobody can vouch for
                 held = 0
                 continue
             entry.used = self._tick()
@@ -140,11 +142,13 @@ class PromptCache:
         if not self.cache.rewindable:
             self.keep()
 
-    def keep(self) -> None:
-        """Take what the cache holds now as an entry (the newest); write it to disk in the background."""
-        if not self.cache.tokens:
+    def keep(self, cache: Optional[DFlashCache] = None) -> None:
+        """Take what ``cache`` (the server's one by default) holds now as an entry (the newest); write it to disk in
+        the background."""
+        cache = self.cache if cache is None else cache
+        if not cache.tokens:
             return
-        state = self.cache.snapshot()
+        state = cache.snapshot()
         tokens = state.tokens
         superseded = [e for e in self.entries if e.tokens == tokens
                       or (state.rewindable and e.rewindable and tokens[: len(e.tokens)] == e.tokens)]
@@ -229,6 +233,11 @@ class PromptCache:
             self._writes.put(None)
             self._writer.join(timeout=60)
             self._writes = None
+
+    @property
+    def newest(self) -> int:
+        """Tokens of the entry kept or taken last (what the last request left), 0 when there is none."""
+        return len(max(self.entries, key=lambda e: e.used).tokens) if self.entries else 0
 
     def stats(self) -> dict[str, Any]:
         in_memory = [e for e in self.entries if e.state is not None]

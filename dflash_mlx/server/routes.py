@@ -201,8 +201,9 @@ class Routes:
         return JSONResponse({"status": "ok", "model": engine.name, "waiting": engine.jobs.qsize(),
                              "cancelled": engine.cancelled,
                              "active_memory_bytes": mx.get_active_memory(),
-                             "cache_memory_bytes": mx.get_cache_memory(), "cached_tokens": len(engine.cache.tokens),
-                             "prompt_cache": engine.store.stats()})
+                             "cache_memory_bytes": mx.get_cache_memory(), "cached_tokens": engine.store.newest,
+                             "prompt_cache": engine.store.stats(),
+                             "batch": engine.runner.describe() if engine.runner else {"max": engine.max_batch}})
 
     async def metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST

@@ -1,0 +1,277 @@
+"""Generations decoded together: each row drafts on its own, the target verifies every row's block in one pass.
+
+Rows accept different lengths each cycle, so the target's attention layers keep a
+length per row (``RaggedKVCache``): a row's block is written right after its own
+history and attends to that alone (RoPE at the row's own positions); what a row
+rejected lies past its length and is overwritten by its next block. Nothing moves
+when rows diverge: no padding shifts, no copies of the history.
+
+Each row keeps its own ``DFlashCache`` (history, drafter context, pending
+features) whose target layers are views of its row (``RowView``), so commit,
+abandon and the cache invariant work per row exactly as in a solo generation; a
+row leaves with its target layers copied back out, as plain caches. The drafter
+runs per row (its context differs per row); the drafts, the stacked verify and
+every row's verdict are one graph, read once per cycle.
+
+What batches: targets whose layers are all full attention, without ``--window``
+(``Batch.fits``). Windows, sliding layers and recurrent (hybrid) layers decode
+one request at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, _BaseCache
+
+from .caches import DFlashCache
+from .errors import DFlashError
+from .generate import Prompt, decode, Emitted, prefill, Request, responses_of, Row, setup, verdict_of
+from .responses import GenerationResponse, GenerationResult
+from .target import Target
+
+ROW_TOKENS = 8192  # the context one row of a batch is sized for (an agent's prompt and reply)
+MAX_ROWS = 8
+
+
+def default_max_batch(target: Target, memory_bytes: int) -> int:
+    """How many rows of ``ROW_TOKENS`` each fit in half the machine's memory beside the weights (1 to ``MAX_ROWS``)."""
+    args = target.lm.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    per_token = 2 * heads * head_dim * target.dtype.size * target.num_layers
+    weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
+    return max(1, min(MAX_ROWS, int((memory_bytes / 2 - weights) // (per_token * ROW_TOKENS))))
+
+
+def check_max_batch(rows: Optional[int]) -> None:
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise DFlashError(f"--max-batch must be an integer of at least 1, got {rows!r}")
+
+
+class RaggedKVCache(_BaseCache):
+    """One attention layer's keys and values for rows of different lengths ([rows, heads, capacity, dim])."""
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.lengths: list[int] = []
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's next position: where RoPE puts its new tokens."""
+        return mx.array(self.lengths)
+
+    def _capacity(self, needed: int) -> None:
+        if self.keys is not None and needed <= self.keys.shape[2]:
+            return
+        grow = -(-needed // self.step) * self.step - (0 if self.keys is None else self.keys.shape[2])
+        pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
+        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write each row's ``N`` new positions after its own history; every row's keys up to the longest."""
+        n = keys.shape[2]
+        end = max(self.lengths) + n
+        self._capacity(end)
+        for i, length in enumerate(self.lengths):
+            self.keys[i : i + 1, :, length : length + n] = keys[i : i + 1]
+            self.values[i : i + 1, :, length : length + n] = values[i : i + 1]
+        self.lengths = [length + n for length in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        """[rows, 1, N, T]: a row's new position q sees its history and its block up to q, nothing past them."""
+        if window_size is not None:
+            raise ValueError("a ragged batch holds full-attention layers only")
+        lengths = mx.array(self.lengths)[:, None, None, None]
+        queries = mx.arange(N)[None, None, :, None]
+        keys = mx.arange(max(self.lengths) + N)[None, None, None, :]
+        return keys <= lengths + queries
+
+    def append(self, cache: KVCache) -> None:
+        """A new last row holding ``cache``'s history."""
+        length = cache.offset
+        keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
+        if self.keys is None:
+            shape = (0, keys.shape[1], 0, keys.shape[3])
+            self.keys, self.values = mx.zeros(shape, keys.dtype), mx.zeros(shape[:3] + (values.shape[3],), values.dtype)
+        self._capacity(length)
+        pad = [(0, 0), (0, 0), (0, self.keys.shape[2] - length), (0, 0)]
+        self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
+        self.values = mx.concatenate([self.values, mx.pad(values, pad)])
+        self.lengths.append(length)
+
+    def pop(self, row: int) -> KVCache:
+        """Take row ``row`` out, as a plain cache of its own."""
+        cache = KVCache()
+        length = self.lengths.pop(row)
+        cache.keys = mx.contiguous(self.keys[row : row + 1, :, :length])
+        cache.values = mx.contiguous(self.values[row : row + 1, :, :length])
+        cache.offset = length
+        keep = mx.array([i for i in range(self.keys.shape[0]) if i != row], dtype=mx.int32)
+        self.keys, self.values = self.keys[keep], self.values[keep]
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+
+class RowView:
+    """One row of a ragged layer, as the row's ``DFlashCache`` sees its target layer: a length that can go back."""
+
+    def __init__(self, layer: RaggedKVCache, batch: Batch, row: Row) -> None:
+        self.layer, self.batch, self.row = layer, batch, row
+
+    @property
+    def offset(self) -> int:
+        return self.layer.lengths[self.batch.index(self.row)]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        i = self.batch.index(self.row)
+        n = min(n, self.layer.lengths[i])
+        self.layer.lengths[i] -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """This row's share of the layer."""
+        rows = len(self.layer.lengths)
+        return self.layer.nbytes // rows if rows else 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.layer.state
+
+
+class Batch:
+    """Rows decoding together on one target: join after the prefill, a cycle for all, leave with plain caches."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.layers = [RaggedKVCache() for _ in target.kinds]
+        self.rows: list[Row] = []
+
+    @staticmethod
+    def fits(target: Target, cache: DFlashCache) -> bool:
+        """Whether rows of this target and these settings can share a pass (full attention everywhere, no window)."""
+        return cache.window is None and all(kind == "full" for kind in target.kinds) and target.group is None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index(self, row: Row) -> int:
+        return next(i for i, r in enumerate(self.rows) if r is row)
+
+    def join(self, row: Row) -> None:
+        """Take in a row that has its first token: its target layers move into the batch."""
+        for layer, cache in zip(self.layers, row.cache.target):
+            if type(cache) is not KVCache:
+                raise ValueError(f"a ragged batch takes full-attention caches only, not {type(cache).__name__}")
+            layer.append(cache)
+        self.rows.append(row)
+        row.cache.target = [RowView(layer, self, row) for layer in self.layers]
+
+    def leave(self, row: Row) -> None:
+        """Give a row its target layers back as plain caches (what it committed) and drop it from the batch."""
+        i = self.index(row)
+        row.cache.target = [layer.pop(i) for layer in self.layers]
+        del self.rows[i]
+
+    def cycle(self) -> list[Emitted]:
+        """One draft-verify-commit cycle for every row; each row's tokens, in the order of ``rows``.
+
+        Blocks of different depths are padded at their end: a padding position comes after
+        every real one of its row, so no real position attends to it, and the row's commit
+        drops it with the rejected drafts.
+        """
+        started = time.perf_counter()
+        with mx.stream(generation_stream):
+            drafted = [row.draft(row.plan(), row.last, row.last_id) for row in self.rows]
+            n = max(d.block.shape[0] for d in drafted)
+            blocks = mx.stack([mx.pad(d.block, (0, n - d.block.shape[0])) for d in drafted])
+            logits, features = self.target(blocks, self.layers)
+            cycles = [
+                verdict_of(row.sampling, d, logits[i, : d.block.shape[0]], features[i : i + 1, : d.block.shape[0]],
+                         row.logprobs)
+                for i, (row, d) in enumerate(zip(self.rows, drafted))
+            ]
+        mx.eval([c.arrays() for c in cycles], [d.absorbed for d in drafted])
+        return [row.finish(cycle, started) for row, cycle in zip(list(self.rows), cycles)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def describe(self) -> dict[str, Any]:
+        return {"rows": len(self.rows), "tokens": [len(r.cache.tokens) for r in self.rows], "bytes": self.nbytes}
+
+
+def batch_generate(
+    target: Target, drafter: Any, tokenizer: Any, prompts: Sequence[Prompt], **settings: Any
+) -> list[GenerationResult]:
+    """Decode ``prompts`` together, one row each, with :func:`stream_generate`'s settings (``cache`` aside).
+
+    Each row's output is what it would be alone: at temperature 0 the target's own
+    greedy decoding. Prompts are prefilled one after another and join the batch with
+    their first token; a row leaves at its end. Where the target or the settings do
+    not batch (``Batch.fits``), the rows run one after another.
+    """
+    if "cache" in settings:
+        raise DFlashError("batch_generate gives each prompt a cache of its own: cache= is not taken")
+    requests = [setup(target, drafter, tokenizer, prompt, **settings) for prompt in prompts]
+    if not requests:
+        return []
+    if not Batch.fits(target, requests[0].row.cache):
+        return [_run_alone(target, r) for r in requests]
+    for request in requests:  # a row's depth and copies follow its own text; the machine's costs carry over
+        request.row.policy = copy.deepcopy(request.row.policy)
+    seen: dict[int, list[GenerationResponse]] = {id(r.row): [] for r in requests}
+    by_row = {id(r.row): r for r in requests}
+    batch = Batch(target)
+
+    def answered(request: Request, cycle: Emitted) -> bool:
+        response = request.responder.respond(cycle)
+        seen[id(request.row)].append(response)
+        return response.finish_reason is not None
+
+    try:
+        for request in requests:
+            row = request.row
+            row.policy.start()
+            logits = prefill(target, drafter, row.cache, request.ids[request.reused :], request.prefill_step_size,
+                              lambda done, total: None)
+            if not answered(request, row.first(logits)):
+                batch.join(row)
+        while batch.rows:
+            for row, cycle in zip(list(batch.rows), batch.cycle()):
+                if answered(by_row[id(row)], cycle):
+                    batch.leave(row)
+    finally:
+        for row in list(batch.rows):
+            batch.leave(row)
+        for request in requests:
+            if request.row.cache.holds_lease(request.row.lease):
+                request.row.cache.abandon()
+        mx.clear_cache()
+    return [GenerationResult.from_responses(seen[id(r.row)]) for r in requests]
+
+
+def _run_alone(target: Target, request: Request) -> GenerationResult:
+    decoder = decode(request.row, request.ids[request.reused :], request.prefill_step_size, lambda done, total: None)
+    return GenerationResult.from_responses(list(responses_of(decoder, target, request.responder)))

@@ -1,0 +1,109 @@
+"""`serve --max-batch N`: requests decode together, each as it would alone, and a long prefill does not hold the others."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+from helpers import finish, start_server
+
+from dflash_mlx import generate
+
+LONG = "the quick brown fox jumps over the lazy dog. " * 400
+
+
+def _stream(url: str, body: dict, out: dict, key: str) -> None:
+    """A streamed /v1/completions: its text, tokens' logprobs, finish reason and when its first token came (the
+    clock's time, comparable across requests)."""
+    text, logprobs, finish_reason, first = "", [], None, None
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice["text"] and first is None:
+                first = time.perf_counter()
+            text += choice["text"]
+            if choice.get("logprobs"):
+                logprobs += choice["logprobs"]["token_logprobs"]
+            finish_reason = choice.get("finish_reason") or finish_reason
+    out[key] = {"text": text, "logprobs": logprobs, "finish_reason": finish_reason, "first": first}
+
+
+def _together(url: str, bodies: dict[str, dict], delays: dict[str, float] | None = None) -> dict:
+    out: dict = {}
+    threads = []
+    for key, body in bodies.items():
+        threads.append(threading.Thread(target=_stream, args=(url, body, out, key)))
+        threads[-1].start()
+        time.sleep((delays or {}).get(key, 0.0))
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def batched(models_dir):
+    proc, url = start_server(models_dir / "qwen3-dflash", models_dir / "qwen3", "--max-batch", "4",
+                             "--prefill-step", "64")
+    yield url
+    proc.send_signal(2)
+    out, err = finish(proc, 30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_requests_in_one_batch_get_what_each_gets_alone(batched, pairs):
+    """Different prompts, budgets, stops, sampling settings and logprobs, decoding together."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    bodies = {
+        "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=120, temperature=0),
+        "short": dict(prompt="The quick brown fox", max_tokens=7, temperature=0, logprobs=1),
+        "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=150, temperature=0, stop=["\n\n"]),
+        "seeded": dict(prompt="hi", max_tokens=60, temperature=0.8, seed=3),
+    }
+    got = _together(batched, bodies)
+    for key, body in bodies.items():
+        settings = dict(max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"),
+                        stop=body.get("stop"), logprobs=0 if "logprobs" in body else None)
+        alone = generate(target, drafter, tokenizer, body["prompt"], **settings)
+        assert got[key]["text"] == alone.text, key
+        assert got[key]["finish_reason"] == ("stop" if alone.finish_reason == "stop" else "length"), key
+        if "logprobs" in body:
+            assert got[key]["logprobs"] == pytest.approx(alone.logprobs, abs=1e-4)
+    metrics = httpx.get(f"{batched}/metrics").text
+    assert "dflash_batch_rows" in metrics
+
+
+def test_a_request_that_joins_during_a_long_prefill_answers_first(batched, pairs):
+    """A 3,000-token prompt prefills in 64-token chunks; a short request sent meanwhile is prefilled and decodes
+    between those chunks, so its first token comes long before the long prompt's, and both answers are exact."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    ids = tokenizer.encode(LONG)[:3000]
+    bodies = {"long": dict(prompt=ids, max_tokens=20, temperature=0),
+              "short": dict(prompt="The quick brown fox", max_tokens=30, temperature=0)}
+    got = _together(batched, bodies, delays={"long": 0.5})
+    assert got["short"]["first"] < got["long"]["first"], got
+    assert got["long"]["text"] == generate(target, drafter, tokenizer, ids, max_tokens=20).text
+    assert got["short"]["text"] == generate(target, drafter, tokenizer, "The quick brown fox", max_tokens=30).text
+    health = httpx.get(f"{batched}/health").json()
+    assert health["batch"]["max"] == 4 and health["batch"]["decoding"] == 0
+
+
+def test_one_at_a_time_keeps_the_queue_in_order(models_dir, pairs):
+    """--max-batch 1 is the FIFO server: the short request waits for the long one."""
+    _, _, tokenizer = pairs["qwen3"]
+    proc, url = start_server(models_dir / "qwen3-dflash", models_dir / "qwen3", "--max-batch", "1",
+                             "--prefill-step", "64")
+    try:
+        ids = tokenizer.encode(LONG)[:3000]
+        got = _together(url, {"long": dict(prompt=ids, max_tokens=20, temperature=0),
+                              "short": dict(prompt="The quick brown fox", max_tokens=30, temperature=0)},
+                        delays={"long": 0.5})
+        assert got["short"]["first"] > got["long"]["first"]
+        assert httpx.get(f"{url}/health").json()["batch"] == {"max": 1}
+    finally:
+        proc.send_signal(2)
+        finish(proc, 30)
