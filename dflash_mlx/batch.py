@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from .caches import DFlashCache
 from .errors import DFlashError
-from .generate import Prompt, decode, Emitted, prefill, Request, responses_of, Row, setup, verdict_of
+from .generate import Emitted, Prompt, Request, Row, decode, prefill, responses_of, setup, verdict_of
+from .policy import AdaptiveDepth, Plan
 from .responses import GenerationResponse, GenerationResult
 from .target import Target
 
@@ -159,6 +161,58 @@ class RowView:
         return self.layer.state
 
 
+@dataclass
+class BatchGate:
+    """Whether a batch cycle may draft (each row as its own policy plans) or decodes plainly, by measured throughput.
+
+    A row's policy weighs its own drafts' tokens against the cycle's cost, but in a batch
+    one row's drafts widen every row's verify: a row that decodes plainly beside one
+    drafting 15 pays for 16 positions and gets one token. So the batch keeps, for the
+    cycles that drafted and those that did not, decaying sums of the tokens all rows got
+    and the seconds they took, and lets rows draft while that pays; else it decodes
+    plainly and retries drafting on a backoff (``min_probe`` cycles, doubling while it
+    loses, up to ``max_backoff``), so that acceptance that recovers is seen. Only rows
+    with an adaptive policy are held back: pinned blocks and seeded rejection sampling
+    (whose draw depends on its depths) draft as they would alone. A row alone is not
+    gated: its own policy is the whole story.
+    """
+
+    decay: float = 0.9
+    min_probe: int = 8
+    max_backoff: int = 256
+    _tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [plain, drafting]
+    _seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    _wait: int = 0  # plain cycles until the next retry
+    _backoff: int = 0
+
+    def rate(self, drafting: bool) -> Optional[float]:
+        """Tokens per second of the batch's cycles of this kind (None until one is seen)."""
+        i = int(drafting)
+        return self._tokens[i] / self._seconds[i] if self._seconds[i] > 0 else None
+
+    def allows(self) -> bool:
+        """Whether the next cycle may draft."""
+        plain, drafting = self.rate(False), self.rate(True)
+        if drafting is None or plain is None:  # measure both: drafting first (the rows' policies warm up)
+            return drafting is None or self._wait <= 0
+        return drafting >= plain or self._wait <= 0
+
+    def observe(self, allowed: bool, drafted: bool, tokens: int, seconds: float) -> None:
+        """A cycle: whether it was allowed to draft, whether any row did, the tokens all rows got, its seconds."""
+        was_behind = (self.rate(True) or 0.0) < (self.rate(False) or float("inf"))
+        i = int(drafted)
+        self._tokens[i] = self.decay * self._tokens[i] + tokens
+        self._seconds[i] = self.decay * self._seconds[i] + seconds
+        if not allowed:
+            self._wait -= 1
+        elif drafted and was_behind:  # a retry: while drafting still loses, wait twice as long for the next
+            losing = (self.rate(True) or 0.0) < (self.rate(False) or 0.0)
+            self._backoff = min(2 * self._backoff, self.max_backoff) if losing else self.min_probe
+            self._wait = self._backoff if losing else 0
+        elif not drafted and self.rate(True) is not None and self._wait <= 0:
+            self._wait = self._backoff = max(self._backoff, self.min_probe)
+
+
 class Batch:
     """Rows decoding together on one target: join after the prefill, a cycle for all, leave with plain caches."""
 
@@ -166,6 +220,7 @@ class Batch:
         self.target = target
         self.layers = [RaggedKVCache() for _ in target.kinds]
         self.rows: list[Row] = []
+        self.gate = BatchGate()
 
     @staticmethod
     def fits(target: Target, cache: DFlashCache) -> bool:
@@ -201,8 +256,11 @@ class Batch:
         drops it with the rejected drafts.
         """
         started = time.perf_counter()
+        gated = len(self.rows) > 1  # a row alone: its own policy is the whole story
+        allowed = self.gate.allows() or not gated
+        plans = [row.plan() if allowed or not isinstance(row.policy, AdaptiveDepth) else Plan(0) for row in self.rows]
         with mx.stream(generation_stream):
-            drafted = [row.draft(row.plan(), row.last, row.last_id) for row in self.rows]
+            drafted = [row.draft(plan, row.last, row.last_id) for row, plan in zip(self.rows, plans)]
             n = max(d.block.shape[0] for d in drafted)
             blocks = mx.stack([mx.pad(d.block, (0, n - d.block.shape[0])) for d in drafted])
             logits, features = self.target(blocks, self.layers)
@@ -212,7 +270,10 @@ class Batch:
                 for i, (row, d) in enumerate(zip(self.rows, drafted))
             ]
         mx.eval([c.arrays() for c in cycles], [d.absorbed for d in drafted])
-        return [row.finish(cycle, started) for row, cycle in zip(list(self.rows), cycles)]
+        out = [row.finish(cycle, started) for row, cycle in zip(list(self.rows), cycles)]
+        if gated:
+            self.gate.observe(allowed, n > 1, sum(e.accepted + 1 for e in out), time.perf_counter() - started)
+        return out
 
     @property
     def nbytes(self) -> int:

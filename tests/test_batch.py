@@ -9,7 +9,7 @@ from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.batch import Batch, RaggedKVCache, batch_generate
+from dflash_mlx.batch import Batch, BatchGate, RaggedKVCache, batch_generate
 from dflash_mlx.caches import make_cache
 from dflash_mlx.generate import prefill, setup
 
@@ -125,3 +125,40 @@ def test_the_ragged_cache_masks_each_row_to_its_own_history():
     assert keys[1, 0, :, 0].tolist()[:3] == [1, 7, 7]  # row 1's block right after its one position
     popped = layer.pop(0)
     assert popped.offset == 5 and layer.lengths == [3] and layer.keys.shape[0] == 1
+
+
+def test_the_gate_holds_drafting_back_where_it_does_not_pay_and_retries_on_a_backoff():
+    """Synthetic cycles of a 4-row batch: a plain cycle 10 ms for 4 tokens; drafting 30 ms for 5 tokens loses."""
+    gate = BatchGate()
+
+    def run(cycles: int, drafting_tokens: int) -> list[bool]:
+        seen = []
+        for _ in range(cycles):
+            allowed = gate.allows()
+            seen.append(allowed)
+            gate.observe(allowed, allowed, drafting_tokens if allowed else 4, 0.030 if allowed else 0.010)
+        return seen
+
+    assert gate.allows()  # nothing measured: the rows' policies decide
+    gate.observe(True, True, 5, 0.030)
+    gate.observe(True, False, 4, 0.010)  # the rows' own warm-up brings a plain cycle
+    seen = run(600, drafting_tokens=5)
+    retries = [i for i, allowed in enumerate(seen) if allowed]
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert gaps[:5] == [17, 33, 65, 129, 257] and set(gaps[5:]) <= {257}  # 16, 32, ... plain cycles between
+    assert sum(seen) / len(seen) < 0.02
+    # Acceptance recovers (whole blocks: 64 tokens a cycle): the next retry wins and drafting goes on.
+    while not gate.allows():
+        gate.observe(False, False, 4, 0.010)
+    assert all(run(50, drafting_tokens=64))
+
+
+def test_a_batch_decodes_plainly_where_its_drafts_do_not_pay(pairs):
+    """The random drafter never agrees: the batch's cycles go plain, and every row's output is still exact."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    results = batch_generate(target, drafter, tokenizer, MANY, max_tokens=MAX_TOKENS, eos_token_ids=[],
+                             draft_source="drafter")
+    for prompt, result in zip(MANY, results):
+        assert result.tokens == plain_greedy(target.model, tokenizer.encode(prompt), MAX_TOKENS)
+    plain = sum(d == 0 for r in results for d in r.drafted)
+    assert plain > 0.8 * sum(len(r.drafted) for r in results)
