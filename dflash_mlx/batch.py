@@ -119,7 +119,8 @@ class RaggedKVCache(_BaseCache):
         cache.values = mx.contiguous(self.values[row : row + 1, :, :length])
         cache.offset = length
         keep = mx.array([i for i in range(self.keys.shape[0]) if i != row], dtype=mx.int32)
-        self.keys, self.values = self.keys[keep], self.values[keep]
+        capacity = -(-max(self.lengths, default=0) // self.step) * self.step  # a long row gone: its width goes too
+        self.keys, self.values = self.keys[keep, :, :capacity], self.values[keep, :, :capacity]
         return cache
 
     @property

@@ -123,8 +123,14 @@ def test_the_ragged_cache_masks_each_row_to_its_own_history():
     keys, _ = layer.update_and_fetch(mx.full((2, 2, 2, 4), 7.0), mx.full((2, 2, 2, 4), 7.0))
     assert layer.lengths == [5, 3] and keys.shape[2] == 5
     assert keys[1, 0, :, 0].tolist()[:3] == [1, 7, 7]  # row 1's block right after its one position
+    layer.update_and_fetch(mx.zeros((2, 2, 300, 4)), mx.zeros((2, 2, 300, 4)))
+    assert layer.keys.shape[2] == 512  # grown in steps of 256
     popped = layer.pop(0)
-    assert popped.offset == 5 and layer.lengths == [3] and layer.keys.shape[0] == 1
+    assert popped.offset == 305 and layer.lengths == [303] and layer.keys.shape[0] == 1
+    layer.lengths = [3]  # (as a row's trim leaves it)
+    layer.append(popped)
+    layer.pop(1)
+    assert layer.keys.shape == (1, 2, 256, 4)  # the long row gone, the width it needed goes too
 
 
 def test_the_gate_holds_drafting_back_where_it_does_not_pay_and_retries_on_a_backoff():

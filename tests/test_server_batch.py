@@ -107,3 +107,32 @@ def test_one_at_a_time_keeps_the_queue_in_order(models_dir, pairs):
     finally:
         proc.send_signal(2)
         finish(proc, 30)
+
+
+def test_a_client_that_leaves_the_batch_leaves_the_others_exact(batched, pairs):
+    """One of three streams is dropped after its first pieces: the other two finish as they would alone, and the
+    dropped request is counted as cancelled."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    cancelled = httpx.get(f"{batched}/health").json()["cancelled"]
+    prompts = {"a": "def fibonacci(n):\n    return", "b": "The quick brown fox"}
+    got: dict = {}
+    threads = [threading.Thread(target=_stream, args=(batched, dict(prompt=p, max_tokens=150, temperature=0), got, k))
+               for k, p in prompts.items()]
+    for t in threads:
+        t.start()
+    body = {"prompt": "import json\nimport os\n\nclass", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{batched}/v1/completions", json=body, timeout=60) as r:
+        pieces = 0
+        for line in r.iter_lines():
+            pieces += line.startswith("data: {")
+            if pieces == 5:
+                break  # the client leaves mid-reply, while the others decode beside it
+    for t in threads:
+        t.join(timeout=300)
+    for key, prompt in prompts.items():
+        assert got[key]["text"] == generate(target, drafter, tokenizer, prompt, max_tokens=150).text
+    for _ in range(100):
+        if httpx.get(f"{batched}/health").json()["cancelled"] == cancelled + 1:
+            break
+        time.sleep(0.1)
+    assert httpx.get(f"{batched}/health").json()["cancelled"] == cancelled + 1
