@@ -19,7 +19,7 @@ as sized, every client's rows verified in one pass), the same server one request
 decoding), each with that many clients sending requests back to back: aggregate tok/s, decode
 tok/s per request, and time to first token p50/p95.
 
-    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8]
+    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8 [--repeats 3]]
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tools", action="store_true", help="measure what tool and reasoning parsing cost")
     parser.add_argument("--clients", default=None, help="comma-separated client counts: measure batching")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the batching measurement")
     args = parser.parse_args()
     print_machine()
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
@@ -113,7 +114,7 @@ def main() -> None:
         with_and_without_tools(pair, prompts, args.max_tokens)
         return
     if args.clients:
-        batching(pair, prompts, args.max_tokens, [int(c) for c in args.clients.split(",")])
+        batching(pair, prompts, args.max_tokens, [int(c) for c in args.clients.split(",")], args.repeats)
         return
     figures = {}
     for name, extra in (("dflash", []), ("plain", ["--block-size", "1"])):
@@ -171,33 +172,43 @@ def mlx_lm_server(target: Path) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
 
 
-def batching(pair: Path, prompts: list[str], max_tokens: int, counts: list[int]) -> None:
-    """Each server in turn, each client count on it; the same prompts, greedy."""
+def batching(pair: Path, prompts: list[str], max_tokens: int, counts: list[int], repeats: int) -> None:
+    """Each server in turn (rotating order, ``repeats`` rounds), each client count on it; the same prompts, greedy.
+    The machine's speed drifts between rounds: ratios are taken within a round, then their median."""
     servers = {"dflash batched": lambda: start_server(pair, ["--log-level", "warning"]),
                "dflash one at a time": lambda: start_server(pair, ["--max-batch", "1", "--log-level", "warning"]),
                "mlx_lm.server (target)": lambda: mlx_lm_server(pair / "target")}
-    figures: dict[str, dict[int, dict]] = {}
-    for name, start in servers.items():
-        proc, url = start()
-        try:
-            run(url, prompts[:2], 16, 1)  # warm-up
-            figures[name] = {c: clients_at_once(url, prompts, max_tokens, c) for c in counts}
-        finally:
-            stop_server(proc)
-    print(f"{len(prompts)} requests of {max_tokens} tokens per client count; aggregate tok/s (all clients), decode "
-          "tok/s per request (median), time to first token p50 / p95")
+    names = list(servers)
+    rounds: list[dict[str, dict[int, dict]]] = []
+    for r in range(repeats):
+        figures: dict[str, dict[int, dict]] = {}
+        for name in names[r % 3:] + names[: r % 3]:
+            proc, url = servers[name]()
+            try:
+                run(url, prompts[:2], 16, 1)  # warm-up
+                figures[name] = {c: clients_at_once(url, prompts, max_tokens, c) for c in counts}
+            finally:
+                stop_server(proc)
+        rounds.append(figures)
+    print(f"{len(prompts)} requests of {max_tokens} tokens per client count, {repeats} rounds; medians over rounds of: "
+          "aggregate tok/s (all clients), decode tok/s per request (median), time to first token p50 / p95")
     print(f"{'server':24s} {'clients':>7s} {'aggregate':>9s} {'per req':>8s} {'ttft p50':>9s} {'ttft p95':>9s}")
-    for name, by_count in figures.items():
-        for c, f in by_count.items():
+    for name in names:
+        for c in counts:
+            f = {k: statistics.median(r[name][c][k] for r in rounds) for k in ("aggregate", "per_request", "ttft_p50",
+                                                                               "ttft_p95")}
             print(f"{name:24s} {c:7d} {f['aggregate']:9.1f} {f['per_request']:8.1f} {f['ttft_p50'] * 1e3:7.0f}ms "
                   f"{f['ttft_p95'] * 1e3:7.0f}ms")
-    ours, fifo, mlx = (figures[n] for n in servers)
+    ours, fifo, mlx = names
     for c in counts:
-        same = ours[c]["texts"] == fifo[c]["texts"]
-        print(f"{c} clients: batched / one at a time {ours[c]['aggregate'] / fifo[c]['aggregate']:.2f}x, "
-              f"batched / mlx_lm.server {ours[c]['aggregate'] / mlx[c]['aggregate']:.2f}x; "
-              f"texts {'identical' if same else 'DIFFER'} between the two dflash servers, "
-              f"{'identical' if ours[c]['texts'] == mlx[c]['texts'] else 'different'} from mlx_lm.server's")
+        vs_fifo = [r[ours][c]["aggregate"] / r[fifo][c]["aggregate"] for r in rounds]
+        vs_mlx = [r[ours][c]["aggregate"] / r[mlx][c]["aggregate"] for r in rounds]
+        same = all(r[ours][c]["texts"] == r[fifo][c]["texts"] for r in rounds)
+        print(f"{c} clients: batched / one at a time {statistics.median(vs_fifo):.2f}x "
+              f"({min(vs_fifo):.2f}-{max(vs_fifo):.2f}), batched / mlx_lm.server {statistics.median(vs_mlx):.2f}x "
+              f"({min(vs_mlx):.2f}-{max(vs_mlx):.2f}); texts {'identical' if same else 'DIFFER'} between the two "
+              f"dflash servers, {'identical' if all(r[ours][c]['texts'] == r[mlx][c]['texts'] for r in rounds) else 'different'} "
+              "from mlx_lm.server's")
 
 
 def with_and_without_tools(pair: Path, prompts: list[str], max_tokens: int, repeats: int = 3) -> None:

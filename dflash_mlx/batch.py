@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -32,7 +32,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache
 
 from .caches import DFlashCache
 from .errors import DFlashError
-from .generate import Emitted, Prompt, Request, Row, decode, prefill, responses_of, setup, verdict_of
+from .generate import Emitted, InFlight, Prompt, Request, Row, decode, prefill, responses_of, setup, verdict_of
 from .policy import AdaptiveDepth, Plan
 from .responses import GenerationResponse, GenerationResult
 from .target import Target
@@ -194,8 +194,8 @@ class BatchGate:
     def allows(self) -> bool:
         """Whether the next cycle may draft."""
         plain, drafting = self.rate(False), self.rate(True)
-        if drafting is None or plain is None:  # measure both: drafting first (the rows' policies warm up)
-            return drafting is None or self._wait <= 0
+        if drafting is None or plain is None:  # measure both: drafting first (the rows' policies warm up), then plain
+            return drafting is None
         return drafting >= plain or self._wait <= 0
 
     def observe(self, allowed: bool, drafted: bool, tokens: int, seconds: float) -> None:
@@ -212,6 +212,17 @@ class BatchGate:
             self._wait = self._backoff if losing else 0
         elif not drafted and self.rate(True) is not None and self._wait <= 0:
             self._wait = self._backoff = max(self._backoff, self.min_probe)
+
+
+class BatchCycle(NamedTuple):
+    """A batch cycle the device is computing: its rows (as they were), each row's verdict, when it started, whether
+    the gate allowed drafting (None: not gated) and whether any row drafted."""
+
+    rows: list[Row]
+    verdicts: list[InFlight]
+    started: float
+    allowed: Optional[bool]
+    drafted: bool
 
 
 class Batch:
@@ -249,8 +260,9 @@ class Batch:
         row.cache.target = [layer.pop(i) for layer in self.layers]
         del self.rows[i]
 
-    def cycle(self) -> list[Emitted]:
-        """One draft-verify-commit cycle for every row; each row's tokens, in the order of ``rows``.
+    def start(self) -> BatchCycle:
+        """Build one draft-verify cycle for every row and start evaluating it (rows must not join or leave until
+        ``finish``).
 
         Blocks of different depths are padded at their end: a padding position comes after
         every real one of its row, so no real position attends to it, and the row's commit
@@ -267,14 +279,30 @@ class Batch:
             logits, features = self.target(blocks, self.layers)
             cycles = [
                 verdict_of(row.sampling, d, logits[i, : d.block.shape[0]], features[i : i + 1, : d.block.shape[0]],
-                         row.logprobs)
+                           row.logprobs)
                 for i, (row, d) in enumerate(zip(self.rows, drafted))
             ]
-        mx.eval([c.arrays() for c in cycles], [d.absorbed for d in drafted])
-        out = [row.finish(cycle, started) for row, cycle in zip(list(self.rows), cycles)]
-        if gated:
-            self.gate.observe(allowed, n > 1, sum(e.accepted + 1 for e in out), time.perf_counter() - started)
+        mx.async_eval([c.arrays() for c in cycles], [d.absorbed for d in drafted])
+        return BatchCycle(list(self.rows), cycles, started, allowed if gated else None, n > 1)
+
+    def finish(self, cycle: BatchCycle, dropped: Sequence[Row] = ()) -> list[Optional[Emitted]]:
+        """Read a started cycle and commit every row's part, but for the ``dropped`` rows (a stop string or a client
+        gone meanwhile), whose part is undone as an abandoned solo cycle's is: None in their place."""
+        out: list[Optional[Emitted]] = []
+        for row, verdict in zip(cycle.rows, cycle.verdicts):
+            if any(row is r for r in dropped):
+                row.cache.abandon()
+                out.append(None)
+            else:
+                out.append(row.finish(verdict, cycle.started))
+        if cycle.allowed is not None:
+            tokens = sum(e.accepted + 1 for e in out if e is not None)
+            self.gate.observe(cycle.allowed, cycle.drafted, tokens, time.perf_counter() - cycle.started)
         return out
+
+    def cycle(self) -> list[Emitted]:
+        """One draft-verify-commit cycle for every row; each row's tokens, in the order of ``rows``."""
+        return self.finish(self.start())  # type: ignore[return-value]  (nothing dropped: no None)
 
     @property
     def nbytes(self) -> int:

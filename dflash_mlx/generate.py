@@ -98,7 +98,7 @@ class _Drafted(NamedTuple):
     row_keys: Optional[mx.array]  # seeded match sampling: a key per block position
 
 
-class _InFlight(NamedTuple):
+class InFlight(NamedTuple):
     """A cycle the device is computing: the drafter's proposal and the target's verdict on it."""
 
     proposal: Optional[Proposal]
@@ -141,7 +141,7 @@ def _draft(
 
 def verdict_of(
     sampling: Sampling, drafted: _Drafted, logits: mx.array, features: mx.array, logprobs: Optional[int]
-) -> _InFlight:
+) -> InFlight:
     """The target's verdict on a drafted block from its logits [n, V] (lazily).
 
     With ``logprobs`` (alternatives per token) the verify's own logits also score the
@@ -157,10 +157,10 @@ def verdict_of(
             kept = mx.cumprod(accept.astype(mx.int32)) > 0
             emitted = mx.concatenate([mx.where(kept, proposal.tokens, target_tokens[:-1]), target_tokens[-1:]])
         scored = scores(logits, emitted, logprobs)
-    return _InFlight(proposal, drafted.source, accept, target_tokens, features, scored)
+    return InFlight(proposal, drafted.source, accept, target_tokens, features, scored)
 
 
-def _read(cycle: _InFlight) -> tuple[list[int], int, list[int]]:
+def _read(cycle: InFlight) -> tuple[list[int], int, list[int]]:
     """(drafted tokens, how many the target accepted, the target's tokens): the one host read per cycle."""
     target_tokens = cycle.target_tokens.tolist()
     drafted = cycle.proposal.tokens.tolist() if cycle.proposal is not None else []
@@ -283,7 +283,7 @@ class Row:
         n_draft = plan.fallback if plan.source == COPY else plan.depth  # no copy offered: the drafter's plan
         return _draft(self.target, self.drafter, self.cache, self.sampling, last, n_draft, copied, key)
 
-    def start(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> tuple[_InFlight, float]:
+    def start(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> tuple[InFlight, float]:
         """Draft and verify one cycle on this row's own caches, evaluating in the background."""
         started = time.perf_counter()
         with mx.stream(generation_stream):
@@ -293,7 +293,7 @@ class Row:
         mx.async_eval(cycle.arrays(), drafted.absorbed)
         return cycle, started
 
-    def finish(self, cycle: _InFlight, started: float, committed: bool = False) -> Emitted:
+    def finish(self, cycle: InFlight, started: float, committed: bool = False) -> Emitted:
         """Read a verified cycle, commit what it kept (unless ``committed`` already: a plain step), tell the policy
         what it cost from ``started`` (as a user waits for it: overlap with the previous cycle excluded)."""
         if not self.cache.holds_lease(self.lease):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from ..batch import Batch
+from ..batch import Batch, BatchCycle
 from ..caches import make_cache
 from ..errors import DFlashError
 from ..generate import Emitted, Request, prefill_steps, setup
@@ -54,22 +54,70 @@ class BatchRunner:
         self.engine = engine
         self.batch = Batch(engine.target)
         self.active: list[Active] = []
+        self.flight: Optional[BatchCycle] = None  # the cycle the device is computing
+        self.leaving: list[tuple[Active, bool]] = []  # rows in flight that end (cancelled or not) once it is read
 
     def run(self, serving: Callable[[], bool]) -> None:
         with wired_limit(self.engine.target.model, [generation_stream]):
             try:
                 while serving():
-                    self._admit()
-                    self._prefill_one()
-                    if self.batch.rows:
-                        self._cycle()
-                    for a in [a for a in self.active if a.job.cancelled.is_set()]:
-                        self._finish(a, cancelled=True)
+                    self._turn()
             except KeyboardInterrupt:
                 for a in list(self.active):
                     a.job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
                     self._finish(a, reported=True)
                 raise
+
+    def _turn(self) -> None:
+        """Read the cycle in flight; rows that ended leave, waiting requests come in (a prefill chunk, a join); start
+        the next cycle; then answer the cycle read while the device computes the next, as the solo loop does."""
+        read = self._read()
+        for a, cycle in [(a, c) for a, c in read if c.reason is not None]:  # EOS or budget: known before the start
+            self._answer(a, cycle)
+            self._finish(a)
+        read = [(a, c) for a, c in read if c.reason is None]
+        for a in [a for a in self.active if a.job.cancelled.is_set() and all(a is not b for b, _ in read)]:
+            self._finish(a, cancelled=True)
+        self._admit()
+        self._prefill_one()
+        if self.batch.rows:
+            self.engine.metrics.batch.set(len(self.batch))
+            try:
+                self.flight = self.batch.start()
+            except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
+                self._fail_decoding(e)
+        for a, cycle in read:
+            if self._answer(a, cycle) or a.job.cancelled.is_set():  # a stop string, or the client left
+                self._end(a, cancelled=not a.seen[-1].finish_reason)
+
+    def _read(self) -> list[tuple[Active, Emitted]]:
+        """The cycle in flight, read and committed (rows that ended meanwhile: undone, and gone)."""
+        if self.flight is None:
+            return []
+        flight, self.flight = self.flight, None
+        leaving, self.leaving = self.leaving, []
+        try:
+            cycles = self.batch.finish(flight, [a.request.row for a, _ in leaving])
+        except Exception as e:  # noqa: BLE001
+            self._fail_decoding(e)
+            return []
+        for a, cancelled in leaving:
+            self._finish(a, cancelled=cancelled)
+        by_row = {id(a.request.row): a for a in self.active}
+        return [(by_row[id(row)], c) for row, c in zip(flight.rows, cycles) if c is not None]
+
+    def _end(self, a: Active, cancelled: bool) -> None:
+        """A decoding row ends: at once, or once the cycle it is in flight in is read."""
+        if self.flight is not None and any(a.request.row is r for r in self.flight.rows):
+            self.leaving.append((a, cancelled))
+        else:
+            self._finish(a, cancelled=cancelled)
+
+    def _fail_decoding(self, e: Exception) -> None:
+        self.flight, self.leaving = None, []
+        for a in [a for a in self.active if a.steps is None]:
+            a.job.report("error", failure(e))
+            self._finish(a, reported=True)
 
     def describe(self) -> dict[str, Any]:
         """What /health shows of the batch."""
@@ -129,22 +177,6 @@ class BatchRunner:
             self._finish(a, reported=True)
             return
         self._finish(a)
-
-    def _cycle(self) -> None:
-        rows = list(self.batch.rows)
-        self.engine.metrics.batch.set(len(rows))
-        try:
-            cycles = self.batch.cycle()
-        except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
-            for a in [a for a in self.active if a.steps is None]:
-                a.job.report("error", failure(e))
-                self._finish(a, reported=True)
-            return
-        by_row = {id(a.request.row): a for a in self.active}
-        for row, cycle in zip(rows, cycles):
-            a = by_row[id(row)]
-            if self._answer(a, cycle):
-                self._finish(a)
 
     def _answer(self, a: Active, cycle: Emitted) -> bool:
         """Report one cycle's piece; whether the request is finished."""
