@@ -1,7 +1,8 @@
 """`dflash-mlx serve`: OpenAI's, Anthropic's and the Responses API over one loaded pair, for chat apps, editors and
 coding agents (Claude Code, Codex CLI, Qwen Code).
 
-- ``engine``: the pair, its caches across requests, and the loop that runs them one at a time.
+- ``engine``: the pair, its caches across requests, and the loop that runs them one at a time;
+  ``batching``: the loop that runs many together (continuous batching, ``--max-batch``).
 - ``request``: what a request asks for (``Completion``), whichever API it came through, and ``Dialect``.
 - ``openai_api``, ``anthropic_api``, ``responses_api``: one module per API; a new one is one module and one
   entry in ``app.DIALECTS``.

@@ -1,4 +1,5 @@
-"""The loaded pair, its caches across requests, and the loop that runs requests one at a time.
+"""The loaded pair, its caches across requests, and the loop that runs requests one at a time
+(``--max-batch 1``, a target that does not batch, a sharded one; ``batching`` runs many together).
 
 Requests wait in arrival order and run one at a time on the main thread, where the model
 was loaded; the HTTP server runs in a thread of its own and hands each request over as a
@@ -51,7 +52,8 @@ class Job:
 
 
 class Engine:
-    """The loaded pair, its caches across requests, and the loop that runs requests one at a time.
+    """The loaded pair, its caches across requests, and the loop that runs requests one at a time
+(``--max-batch 1``, a target that does not batch, a sharded one; ``batching`` runs many together).
 
     ``run`` is called on the main thread (the HTTP server runs in another): MLX work
     stays on the thread that loaded the model, and Ctrl-C lands in the generation
