@@ -24,8 +24,12 @@ from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
 from .errors import DFlashError
 
 
-def check_window(window: int, sinks: int = 0, block_size: int = 1) -> None:
-    """Reject window settings that cannot give the promised semantics."""
+def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> None:
+    """Reject window settings that cannot give the promised semantics (sinks are kept positions of a window)."""
+    if window is None:
+        if sinks:
+            raise DFlashError(f"sinks ({sinks}) are the first positions a window keeps: give a window too")
+        return
     if window < 1:
         raise DFlashError(f"window must be >= 1, got {window}")
     if window < block_size:
@@ -530,8 +534,7 @@ def make_cache(
     """Empty caches for generations of this pair with these settings (see ``stream_generate``)."""
     block_size = drafter.block_size if block_size is None else block_size
     check_block_size(block_size, drafter)
-    if window is not None:
-        check_window(window, sinks, block_size)
+    check_window(window, sinks, block_size)
 
     def fresh() -> tuple[list[Any], list[Any]]:
         drafter_caches = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []

@@ -28,8 +28,7 @@ def check_options(block_size: Optional[int], max_tokens: int, window: Optional[i
         raise DFlashError(f"--prefill-step must be >= 1, got {prefill_step_size}")
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if window is not None:
-        check_window(window, sinks, block_size or 1)
+    check_window(window, sinks, block_size or 1)
     Sampling(**sampling)
 
 
@@ -39,8 +38,7 @@ def check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], d
 
     if block_size is not None:
         check_block_size(block_size, drafter)
-    if window is not None:
-        check_window(window, sinks, block_size or drafter.block_size)
+    check_window(window, sinks, block_size or drafter.block_size)
 
 
 def integers(text: str, flag: str, *, skip_blanks: bool = False) -> list[int]:

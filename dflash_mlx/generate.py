@@ -503,8 +503,7 @@ def _check_settings(
     check_block_size(block_size, drafter)
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
-    if window is not None:
-        check_window(window, sinks, block_size)
+    check_window(window, sinks, block_size)
     if prefill_step_size is None:
         prefill_step_size = 2048 if window is None else max(block_size, min(2048, window // 16))
     if prefill_step_size < 1:

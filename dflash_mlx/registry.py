@@ -106,6 +106,8 @@ def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str
     path = Path(model).expanduser()
     if path.is_dir():
         return model, target, None
+    if path.exists():
+        raise DFlashError(f"{model} is a file; expected a model folder, a bundle or a registry name")
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
         raise DFlashError(f"drafter {model}: no such folder")
     pair = find(model)

@@ -78,6 +78,14 @@ def test_mistyped_name_or_folder_says_no_such_folder(tmp_path, monkeypatch):
     _one_error_line(_run("generate", "Qwen3-9B-DFlash", "-p", "hi"), "no such folder or registry name", "did you mean")
     _one_error_line(_run("generate", "models/qwen3-dflsh", "-p", "hi"), "no such folder")
     _one_error_line(_run("generate", "my-drafter", "-p", "hi"), "my-drafter: no such folder")
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # a file where a folder is expected says so
+    _one_error_line(_run("generate", "model.safetensors", "-p", "hi"), "model.safetensors is a file")
+
+
+def test_sinks_without_a_window_are_refused(models_dir):
+    """Sinks are positions a window keeps: alone they would be silently ignored."""
+    result = _run("generate", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "-p", "hi", "--sinks", "4")
+    _one_error_line(result, "give a window too")
 
 
 def test_target_that_is_a_drafter(models_dir):
