@@ -89,10 +89,12 @@ class RaggedKVCache(_BaseCache):
         self.lengths = [length + n for length in self.lengths]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         """[rows, 1, N, T]: a row's new position q sees its history and its block up to q, nothing past them."""
         if window_size is not None:
             raise ValueError("a ragged batch holds full-attention layers only")
+        if len(self.lengths) == 1:  # one row: the plain causal mask (none for one query), as a solo cache gives
+            return "causal" if N > 1 else None
         lengths = mx.array(self.lengths)[:, None, None, None]
         queries = mx.arange(N)[None, None, :, None]
         keys = mx.arange(max(self.lengths) + N)[None, None, None, :]
