@@ -596,6 +596,6 @@ def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, clien
         t.join()
     for path, _, keepalive in cases:
         stamps, lines = zip(*seen[path])
-        assert lines.count(keepalive) >= 2, (path, lines[:5])
+        assert keepalive in lines, (path, lines[:5])  # batched, a stream waits for a chunk, not the whole prefill
         assert max(b - a for a, b in zip(stamps, stamps[1:])) < 2.5, path
     worker.join()
