@@ -19,7 +19,11 @@ as sized, every client's rows verified in one pass), the same server one request
 decoding), each with that many clients sending requests back to back: aggregate tok/s, decode
 tok/s per request, and time to first token p50/p95.
 
+With ``--join 8192`` it measures what a long prompt's prefill costs a request that arrives during
+it: its time to first token, in the long prompt's prefill chunks, batched and one at a time.
+
     python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8 [--repeats 3]]
+    python bench/serve.py --pair DIR --join 8192 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ def main() -> None:
     parser.add_argument("--tools", action="store_true", help="measure what tool and reasoning parsing cost")
     parser.add_argument("--clients", default=None, help="comma-separated client counts: measure batching")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the batching measurement")
+    parser.add_argument("--join", type=int, default=None, metavar="TOKENS",
+                        help="time to first token of a request sent during a prompt of this many tokens")
     args = parser.parse_args()
     print_machine()
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
@@ -112,6 +118,9 @@ def main() -> None:
     print(f"{pair.name}: {len(prompts)} prompts (held-out code and built-in chat), {args.max_tokens} tokens, greedy")
     if args.tools:
         with_and_without_tools(pair, prompts, args.max_tokens)
+        return
+    if args.join:
+        join_during_prefill(pair, args.join, args.max_tokens)
         return
     if args.clients:
         batching(pair, prompts, args.max_tokens, [int(c) for c in args.clients.split(",")], args.repeats)
@@ -209,6 +218,37 @@ def batching(pair: Path, prompts: list[str], max_tokens: int, counts: list[int],
               f"({min(vs_mlx):.2f}-{max(vs_mlx):.2f}); texts {'identical' if same else 'DIFFER'} between the two "
               f"dflash servers, {'identical' if all(r[ours][c]['texts'] == r[mlx][c]['texts'] for r in rounds) else 'different'} "
               "from mlx_lm.server's")
+
+
+def join_during_prefill(pair: Path, context: int, max_tokens: int) -> None:
+    """A client sends a ``context``-token prompt; once its prefill is under way another sends a short one. The second's
+    time to first token, against the first's prefill chunks (``--prefill-step``, 2048 by default), batched and one at
+    a time."""
+    from dflash_mlx import load
+
+    _, _, tokenizer = load(str(pair / "draft"), str(pair / "target"))
+    words = " ".join(f"w{i % 997}" for i in range(context * 2))
+    long = tokenizer.encode(words)[:context]
+    for name, extra in (("batched", []), ("one at a time", ["--max-batch", "1"])):
+        proc, url = start_server(pair, extra + ["--log-level", "warning"])
+        try:
+            request(url, "warm up", 4)
+            out: dict[str, dict] = {}
+            first = threading.Thread(target=lambda: out.__setitem__("long", request(url, long, max_tokens)))
+            tic = time.perf_counter()
+            first.start()
+            time.sleep(1.0)  # the long prompt's prefill is under way
+            joined = time.perf_counter()
+            out["short"] = request(url, "The quick brown fox", max_tokens)
+            first.join()
+        finally:
+            stop_server(proc)
+        long_first = tic + out["long"]["ttft"]
+        chunk = out["long"]["ttft"] / -(-context // 2048)
+        print(f"{name:14s}: the {context}-token prompt's first token after {out['long']['ttft']:.1f} s "
+              f"({chunk:.2f} s per 2048-token chunk); a short request sent {joined - tic:.1f} s in got its first "
+              f"token {out['short']['ttft']:.2f} s later ({out['short']['ttft'] / chunk:.1f} chunks), "
+              f"{'before' if joined + out['short']['ttft'] < long_first else 'after'} the long prompt's")
 
 
 def with_and_without_tools(pair: Path, prompts: list[str], max_tokens: int, repeats: int = 3) -> None:
