@@ -22,8 +22,11 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from importlib import resources  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from dflash_mlx import replay  # noqa: E402
 
 SOURCES = ("auto", "copy", "drafter")
 HOG = "while True: pass"
@@ -84,6 +87,76 @@ def report(name: str, results: list[dict[str, dict]]) -> float:
     return min(ratios)
 
 
+def record_load(pair: Path, hogs: int, seconds: float, dt: float = 0.005) -> replay.Load:
+    """The target's plain steps, quiet (their median) and then beside ``hogs`` CPU hogs for ``seconds``: each busy
+    step's slowdown over the quiet median, laid on a grid of ``dt`` seconds of wall time."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import dflash_mlx
+
+    target, _, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
+    x = mx.array(tokenizer.encode("hello"))[None, :1]
+
+    def steps(duration: float) -> list[float]:
+        took, cache, start = [], make_prompt_cache(target.model), time.perf_counter()
+        while time.perf_counter() - start < duration:
+            if cache[0].offset >= 256:  # the context stays short: the slowdown is the machine's, not the context's
+                cache = make_prompt_cache(target.model)
+            tic = time.perf_counter()
+            mx.eval(target.model(x, cache=cache))
+            took.append(time.perf_counter() - tic)
+        return took
+
+    quiet = statistics.median(steps(5.0))
+    procs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
+    try:
+        busy = steps(seconds)
+    finally:
+        for hog in procs:
+            hog.kill()
+            hog.wait()
+    factors: list[float] = []
+    for took in busy:
+        factors += [took / quiet] * max(1, round(took / dt))
+    return replay.Load(factors, dt)
+
+
+def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, runs: int, seconds: float) -> None:
+    """Traces of the cases and this machine's quiet cycle costs, the slowdown recorded beside the hogs; then auto,
+    copy and drafter replayed over them, quiet and from ``runs`` offsets into the load (the same offset for the
+    three: the same spikes at the same moments)."""
+    import dflash_mlx
+    from dflash_mlx import traces
+    from dflash_mlx.chat_template import prompt_ids, user
+    from dflash_mlx.policy import COPY, AdaptiveDepth, FixedBlock
+
+    load = record_load(pair, hogs, seconds)
+    target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
+    profile = traces.measure_costs(target, drafter, tokenizer, [64, 1024, 2048], steps=16, repeats=3)
+    factors = sorted(load.factors)
+    print(f"load: {hogs} CPU hogs, {seconds:.0f} s of plain steps; slowdown median {statistics.median(factors):.2f}, "
+          f"p90 {factors[int(0.9 * len(factors))]:.2f}, max {factors[-1]:.1f}")
+    policies = {"auto": lambda: AdaptiveDepth(drafter.block_size - 1),
+                "copy": lambda: FixedBlock(drafter.block_size, COPY),
+                "drafter": lambda: AdaptiveDepth(drafter.block_size - 1, copies=False)}
+    span = len(load.factors) * load.dt
+    for name, prompts, max_tokens in cases:
+        recorded = [traces.record(target, drafter, tokenizer, text, prompt_ids(tokenizer, user(text)), max_tokens)
+                    for text in prompts]
+        print(f"\n{name}: replayed tok/s of a fresh process (auto / best source)")
+        for label, offsets in (("quiet", [None]), (f"busy ({hogs} hogs)", [i * span / runs for i in range(runs)])):
+            ratios = []
+            for offset in offsets:
+                speed = {s: replay.simulate(make(), recorded, profile, load=None if offset is None else load,
+                                            offset=offset or 0.0).tokens_per_second for s, make in policies.items()}
+                ratios.append(speed["auto"] / max(speed.values()))
+                print(f"  {label}: " + " | ".join(f"{s} {v:7.1f}" for s, v in speed.items())
+                      + f" | auto/best {ratios[-1]:.2f}")
+            if len(ratios) > 1:
+                print(f"  {label}: auto / best source, min {min(ratios):.2f}, median {statistics.median(ratios):.2f}")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]))
@@ -93,12 +166,17 @@ def main() -> None:
     parser.add_argument("--loop-tokens", type=int, default=2000)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy loops beside the runs")
+    parser.add_argument("--replay", type=float, default=None, metavar="SECONDS",
+                        help="record this long a load's slowdown and replay the policies over traces instead")
     args = parser.parse_args()
     print_machine()
     pair = looping_pair()
     builtin = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
     held_out = [builtin[kind][0] for kind in ("math", "code", "chat")]
     cases = [("loop (\"hello\")", ["hello"], args.loop_tokens), ("built-in prompts", held_out, args.prompt_tokens)]
+    if args.replay:
+        replayed(pair, cases, args.hogs, args.runs, args.replay)
+        return
     worst = {}
     for load in ("quiet", "busy"):
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs if load == "busy" else 0)]

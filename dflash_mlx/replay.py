@@ -188,19 +188,40 @@ class Replay:
             self.depths[k] += n
 
 
+@dataclass
+class Load:
+    """A machine's slowdown over wall time, recorded beside a load (a browser, a build; bench: CPU hogs): the
+    seconds a plain step took, each over the quiet machine's median, one sample per ``dt`` seconds of the recording.
+
+    A replay under a load prices each cycle at the slowdown of the moment it runs (its start on the replay's own
+    clock, from ``offset`` seconds into the recording, wrapping around): the policy sees those seconds and pays
+    them, as on the busy machine, and two policies replayed from the same offset meet the same spikes at the same
+    times.
+    """
+
+    factors: list[float]
+    dt: float
+
+    def at(self, t: float) -> float:
+        return self.factors[int(t / self.dt) % len(self.factors)]
+
+
 def _plain_seconds(trace: Trace, profile: CostProfile) -> float:
     return sum(profile.plain_seconds(len(trace.prompt) + p + 1) for p in range(len(trace.output) - 1))
 
 
-def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile, full: bool = False) -> Replay:
+def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile, full: bool = False,
+             load: Optional[Load] = None, offset: float = 0.0) -> Replay:
     """Run ``policy`` over ``traces`` in order, as one process serving them one after another.
 
     As the decode loop: ``start`` per prompt, ``plan`` given the committed tokens (the
     prompt and the output before the last emitted token), its depth capped by the block
     and the budget, then ``observe`` with the profile's seconds at the current context
-    length. A copy planned where the history offers none runs the plan's fallback.
+    length (times the ``load``'s slowdown of the moment, from ``offset`` seconds into it).
+    A copy planned where the history offers none runs the plan's fallback.
     """
     total = Replay()
+    clock = offset
     for trace in traces:
         policy.start()
         n, B = len(trace.output), trace.max_depth
@@ -217,6 +238,9 @@ def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile,
             else:  # the drafter's plan, or its fallback where no copy is offered
                 k = k if plan.source != COPY else max(0, min(plan.fallback, B, n - p - 2))
                 a, seconds, source = trace.accepted_at(p, k, full), profile.seconds(k, len(history) + 1), DRAFTER
+            if load is not None:
+                seconds *= load.at(clock)
+                clock += seconds
             policy.observe(k, a, seconds, source)
             got.seconds += seconds
             got.depths[k] += 1

@@ -154,3 +154,24 @@ def test_costs_are_measured_per_depth_and_context(pairs):
     assert profile.contexts == [16, 64] and len(profile.cycle) == 2
     assert all(len(row) == drafter.block_size and min(row) > 0 for row in profile.cycle) and min(profile.plain) > 0
     assert profile.seconds(3, 40) == pytest.approx((profile.cycle[0][3] + profile.cycle[1][3]) / 2)
+
+
+def test_a_replay_under_load_prices_each_cycle_at_the_moment_it_runs():
+    """A load that alternates 3x and 1x each second: plain steps of 1 s cost 3 (starting at 0 s), then 1 (at 3 s),
+    3 (at 4 s), ...; the policy sees what it pays; from an offset of 1 s the same spikes fall on the other cycles."""
+    trace = _trace([0] * 6)
+    profile = CostProfile("flat", "a test", [0], [1.0], [[1.0, 2.0, 2.0, 2.0]])
+    load = replay.Load([3.0, 1.0], dt=1.0)
+    seen = []
+
+    class Plain(FixedBlock):
+        def observe(self, drafted, accepted, seconds, source="drafter"):
+            seen.append(seconds)
+
+    assert replay.simulate(Plain(1), [trace], profile).seconds == 6.0
+    seen.clear()
+    assert replay.simulate(Plain(1), [trace], profile, load=load).seconds == 12.0
+    assert seen == [3.0, 1.0, 3.0, 1.0, 3.0, 1.0]
+    seen.clear()
+    assert replay.simulate(Plain(1), [trace], profile, load=load, offset=1.0).seconds == 12.0
+    assert seen == [1.0, 3.0, 1.0, 3.0, 1.0, 3.0]
