@@ -239,6 +239,12 @@ class CycleCosts:
     def update(self, k: int, seconds: float, copy: bool = False) -> None:
         if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
             seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
+        if k and self.plain is not None and seconds < self.plain:
+            # A cycle that verifies k drafts costs at least a plain step: one quicker than the plain estimate shows
+            # that estimate was timed during a spike of load. Left alone, it would price every depth as one plain
+            # step, and plain steps would never run again to correct it (replayed under a recorded load: auto ran
+            # its drafter's full block wherever no copy was offered, 0.66 of copying alone).
+            self.plain = seconds
         if not copy:
             self.depths_seen.add(k)
         if k == 0:

@@ -545,3 +545,19 @@ def test_probes_come_often_where_drafting_keeps_coming_back():
     never = AdaptiveDepth(15)
     run(never, bad, 400)
     assert never.probe_interval(1) >= 3 * policy.probe_interval(1)  # where drafting never comes back
+
+
+def test_a_plain_step_timed_during_a_spike_does_not_price_drafting_as_free():
+    """The warm-up's one plain step lands in a spike of load (10x); drafts are never accepted. A cycle that drafts
+    costs at least a plain step, so the quicker drafting cycles correct the estimate and plain decoding resumes.
+    (Before: every depth was priced at the spiked plain step and the drafter ran a full block to the end.)"""
+    policy = AdaptiveDepth(15, copies=False)
+    policy.start()
+    history, plans, quiet = list(range(50)), [], 0.002
+    for i in range(400):
+        k = policy.plan(history).depth
+        spiked = k == 0 and not any(d == 0 for d in plans)
+        policy.observe(k, 0, quiet * 10 if spiked else quiet * (1 + (0.3 + 0.05 * k if k else 0)))
+        plans.append(k)
+        history.append(1000 + i)
+    assert sum(k == 0 for k in plans[-200:]) > 190
