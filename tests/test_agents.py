@@ -559,9 +559,21 @@ def test_editors_habits(client, pair):
 # -- a long prefill or a wait in the queue never looks dead ---------------------------------------------------------
 
 
-def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, client, claude, pair):
+@pytest.fixture
+def one_at_a_time(agent_dir):
+    """A server that runs one request at a time (as when a batch is full): a stream waits in the queue, silent."""
+    proc, url = _start(agent_dir / "draft", agent_dir / "target", "--api-key", KEY, "--keepalive", "0.5",
+                       "--max-batch", "1")
+    yield {"url": url}
+    _stop(proc)
+
+
+def test_streams_carry_keepalives_and_count_tokens_answers_at_once(one_at_a_time, pair):
     """While a long prefill runs (the next request waits behind it), every stream carries a keep-alive at least every
     --keepalive seconds (0.5 here, 15 by default), in its dialect's form; count_tokens and /v1/models answer at once."""
+    server = one_at_a_time
+    client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=server["url"], api_key=KEY, max_retries=0, timeout=120)
     _, _, tokenizer = pair
     long = [{"role": "user", "content": _long_text(tokenizer, 12000)}]
     done = threading.Event()
@@ -585,7 +597,7 @@ def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, clien
              ("/v1/responses", {"model": "any", "stream": True, "input": "hi"}, ": keepalive")]
     seen: dict[str, list] = {}
 
-    def listen(path: str, body: dict) -> None:  # each stream waits behind the long prefill's chunks
+    def listen(path: str, body: dict) -> None:  # each stream waits in the queue behind the long prefill
         with httpx.stream("POST", f"{server['url']}{path}", json=body, headers={"x-api-key": KEY}, timeout=120) as r:
             seen[path] = [(time.perf_counter(), line) for line in r.iter_lines() if line]
 
@@ -596,6 +608,6 @@ def test_streams_carry_keepalives_and_count_tokens_answers_at_once(server, clien
         t.join()
     for path, _, keepalive in cases:
         stamps, lines = zip(*seen[path])
-        assert keepalive in lines, (path, lines[:5])  # batched, a stream waits for a chunk, not the whole prefill
+        assert lines[0] == keepalive and lines.count(keepalive) >= 2, (path, lines[:5])
         assert max(b - a for a, b in zip(stamps, stamps[1:])) < 2.5, path
     worker.join()
