@@ -123,20 +123,27 @@ def median_time(fn: Callable[[], Any], reps: int = 20) -> float:
 
 def start_server(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     """``dflash-mlx serve`` of a pair folder (draft/, target/) on a free loopback port; (process, URL) once it answers."""
+    return serve_on_free_port(lambda port: [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve",
+                                            str(pair / "draft"), "--target", str(pair / "target"), "--port", str(port),
+                                            *extra], "/health")
+
+
+def serve_on_free_port(command: Callable[[int], list[str]], ready: str) -> tuple[subprocess.Popen, str]:
+    """A server process started on a free loopback port (``command(port)``); (process, URL) once ``ready`` answers."""
     import httpx2 as httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(pair / "draft"),
-           "--target", str(pair / "target"), "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(port), stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}{ready}", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
+            if proc.poll() is not None:
+                sys.exit(f"the server exited ({proc.returncode}): {' '.join(command(port)[:6])} ...")
             time.sleep(0.2)
 
 

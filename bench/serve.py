@@ -28,11 +28,10 @@ it: its time to first token, in the long prompt's prefill chunks, batched and on
 
 from __future__ import annotations
 
-from common import CACHE, print_machine, start_server, stop_server  # re-execs with OpenBLAS first
+from common import CACHE, print_machine, serve_on_free_port, start_server, stop_server  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -167,18 +166,8 @@ def clients_at_once(url: str, prompts: list[str], max_tokens: int, clients: int)
 
 def mlx_lm_server(target: Path) -> tuple[subprocess.Popen, str]:
     """``mlx_lm.server`` on the target alone (its batched plain decoding), on a free loopback port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(target), "--port", str(port),
-                             "--log-level", "WARNING"], stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    return serve_on_free_port(lambda port: [sys.executable, "-m", "mlx_lm", "server", "--model", str(target), "--port",
+                                            str(port), "--log-level", "WARNING"], "/v1/models")
 
 
 def batching(pair: Path, prompts: list[str], max_tokens: int, counts: list[int], repeats: int) -> None:

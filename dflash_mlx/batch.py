@@ -159,10 +159,6 @@ class RowView:
         rows = len(self.layer.lengths)
         return self.layer.nbytes // rows if rows else 0
 
-    @property
-    def state(self) -> list[mx.array]:
-        return self.layer.state
-
 
 @dataclass
 class BatchGate:
@@ -234,6 +230,7 @@ class Batch:
         self.target = target
         self.layers = [RaggedKVCache() for _ in target.kinds]
         self.rows: list[Row] = []
+        self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
         self.gate = BatchGate()
 
     @staticmethod
@@ -245,14 +242,17 @@ class Batch:
         return len(self.rows)
 
     def index(self, row: Row) -> int:
-        return next(i for i, r in enumerate(self.rows) if r is row)
+        """The row's place in the batch (asked by every layer of every row's commit: a lookup, not a search)."""
+        return self._places[id(row)]
 
     def join(self, row: Row) -> None:
         """Take in a row that has its first token: its target layers move into the batch."""
+        odd = next((c for c in row.cache.target if type(c) is not KVCache), None)
+        if odd is not None:  # checked before any layer moves: a refused row keeps its caches
+            raise ValueError(f"a ragged batch takes full-attention caches only, not {type(odd).__name__}")
         for layer, cache in zip(self.layers, row.cache.target):
-            if type(cache) is not KVCache:
-                raise ValueError(f"a ragged batch takes full-attention caches only, not {type(cache).__name__}")
             layer.append(cache)
+        self._places[id(row)] = len(self.rows)
         self.rows.append(row)
         row.cache.target = [RowView(layer, self, row) for layer in self.layers]
 
@@ -261,6 +261,7 @@ class Batch:
         i = self.index(row)
         row.cache.target = [layer.pop(i) for layer in self.layers]
         del self.rows[i]
+        self._places = {id(r): j for j, r in enumerate(self.rows)}
 
     def start(self) -> BatchCycle:
         """Build one draft-verify cycle for every row and start evaluating it (rows must not join or leave until
@@ -310,8 +311,6 @@ class Batch:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def describe(self) -> dict[str, Any]:
-        return {"rows": len(self.rows), "tokens": [len(r.cache.tokens) for r in self.rows], "bytes": self.nbytes}
 
 
 def batch_generate(
@@ -324,8 +323,9 @@ def batch_generate(
     their first token; a row leaves at its end. Where the target or the settings do
     not batch (``Batch.fits``), the rows run one after another.
     """
-    if "cache" in settings:
-        raise DFlashError("batch_generate gives each prompt a cache of its own: cache= is not taken")
+    for name, what in (("cache", "a cache"), ("prompt_progress_callback", "a prefill")):
+        if name in settings:
+            raise DFlashError(f"batch_generate gives each prompt {what} of its own: {name}= is not taken")
     requests = [setup(target, drafter, tokenizer, prompt, **settings) for prompt in prompts]
     if not requests:
         return []

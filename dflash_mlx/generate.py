@@ -470,7 +470,6 @@ class Request:
 def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **settings: Any) -> Request:
     """One generation with :func:`stream_generate`'s settings (whose signature is their one list, defaults
     included), checked, its cache taken over the prompt and its policy chosen: what the solo loop or a batch runs."""
-    settings.pop("prompt_progress_callback", None)
     s = inspect.signature(stream_generate).bind(target, drafter, tokenizer, prompt, **settings)
     s.apply_defaults()
     o = SimpleNamespace(**s.arguments)

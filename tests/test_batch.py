@@ -77,6 +77,8 @@ def test_a_target_that_does_not_batch_runs_its_rows_one_after_another(pairs):
                                          window=32).tokens
     with pytest.raises(DFlashError, match="cache of its own"):
         batch_generate(target, drafter, tokenizer, PROMPTS, cache=make_cache(target, drafter))
+    with pytest.raises(DFlashError, match="prefill of its own"):
+        batch_generate(target, drafter, tokenizer, PROMPTS, prompt_progress_callback=lambda done, total: None)
 
 
 def test_a_row_that_leaves_holds_its_history_and_goes_on_alone(pairs):

@@ -88,6 +88,12 @@ def test_sinks_without_a_window_are_refused(models_dir):
     _one_error_line(result, "give a window too")
 
 
+def test_a_batch_of_no_rows_is_refused_before_loading(models_dir):
+    for bad in ("0", "-2"):
+        result = _run("serve", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "--max-batch", bad)
+        _one_error_line(result, "--max-batch must be an integer of at least 1")
+
+
 def test_target_that_is_a_drafter(models_dir):
     result = _run("generate", models_dir / "qwen3-dflash", "--target", models_dir / "llama-dflash", "-p", "hi")
     _one_error_line(result, "holds a DFlash drafter, not a target model")
