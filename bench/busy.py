@@ -25,6 +25,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from importlib import resources  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 from dflash_mlx import replay  # noqa: E402
 
@@ -122,7 +123,19 @@ def record_load(pair: Path, hogs: int, seconds: float, dt: float = 0.005) -> rep
     return replay.Load(factors, dt)
 
 
-def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, runs: int, seconds: float) -> None:
+def recorded_load(pair: Path, hogs: int, seconds: float, keep: Optional[Path]) -> replay.Load:
+    """A new recording, or the one kept at ``keep`` (written there when absent): the same load replayed again."""
+    if keep is not None and keep.exists():
+        saved = json.loads(keep.read_text())
+        return replay.Load(saved["factors"], saved["dt"])
+    load = record_load(pair, hogs, seconds)
+    if keep is not None:
+        keep.write_text(json.dumps({"factors": load.factors, "dt": load.dt}))
+    return load
+
+
+def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, runs: int, seconds: float,
+             keep: Optional[Path] = None) -> None:
     """Traces of the cases and this machine's quiet cycle costs, the slowdown recorded beside the hogs; then auto,
     copy and drafter replayed over them, quiet and from ``runs`` offsets into the load (the same offset for the
     three: the same spikes at the same moments)."""
@@ -131,7 +144,7 @@ def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, run
     from dflash_mlx.chat_template import prompt_ids, user
     from dflash_mlx.policy import COPY, AdaptiveDepth, FixedBlock
 
-    load = record_load(pair, hogs, seconds)
+    load = recorded_load(pair, hogs, seconds, keep)
     target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
     profile = traces.measure_costs(target, drafter, tokenizer, [64, 1024, 2048], steps=16, repeats=3)
     factors = sorted(load.factors)
@@ -168,6 +181,8 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy loops beside the runs")
     parser.add_argument("--replay", type=float, default=None, metavar="SECONDS",
                         help="record this long a load's slowdown and replay the policies over traces instead")
+    parser.add_argument("--recording", type=Path, default=None, metavar="FILE",
+                        help="with --replay: replay the load kept in FILE (recorded into it when absent)")
     args = parser.parse_args()
     print_machine()
     pair = looping_pair()
@@ -175,7 +190,7 @@ def main() -> None:
     held_out = [builtin[kind][0] for kind in ("math", "code", "chat")]
     cases = [("loop (\"hello\")", ["hello"], args.loop_tokens), ("built-in prompts", held_out, args.prompt_tokens)]
     if args.replay:
-        replayed(pair, cases, args.hogs, args.runs, args.replay)
+        replayed(pair, cases, args.hogs, args.runs, args.replay, args.recording)
         return
     worst = {}
     for load in ("quiet", "busy"):

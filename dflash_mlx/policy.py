@@ -342,9 +342,10 @@ class AdaptiveDepth:
     expected tokens per second beat the drafter's best and plain decoding, with what
     the drafter would have done as its fallback: where the history offers no copy
     (which the decode loop learns only once the cycle's first token is known), the
-    cycle runs that instead, so planning a copy never costs the drafter's cycle. Copies that
-    are accepted are retried on a backoff even where the costs say no (``_copy_due``): a
-    cycle timed during a spike of the machine's load must not rule them out for good.
+    cycle runs that instead, so planning a copy never costs the drafter's cycle. Where the
+    text repeats, copies are retried on a backoff even where the estimates say no
+    (``_copy_due``): neither a cycle timed during a spike of the machine's load nor copies
+    refused earlier in the reply may rule them out for good.
 
     Decisions read the cost model through ``seconds`` and ``copy_seconds``, its
     predictions, refreshed after every cycle. The ranks of a sharded target (``distributed``) see the same
@@ -470,19 +471,20 @@ class AdaptiveDepth:
         return Plan(planned)
 
     def _copy_due(self) -> bool:
-        """Whether to copy although the cost model says no: the text repeats, copies are accepted here, and the
-        retry is due.
+        """Whether to copy although the cost model says no: the text repeats and the retry is due.
 
         On a busy machine (a browser, a build) a verify costs several plain steps and
         one cycle timed during a spike prices copies out, before any ran or after; only
-        another copy measures them again. So copies that are accepted are never ruled
-        out by timing alone: they are retried on a backoff (``min_probe`` cycles,
-        doubling while they lose), and at once again while retries are accepted whole
-        (up to ``COPY_STREAK`` in a row), so a loop's acceptance is learnt in a few cycles.
+        another copy measures them again. So copies are never ruled out by timing alone:
+        they are retried on a backoff (``min_probe`` cycles, doubling while they lose,
+        at most 256), and at once again while retries are accepted whole (up to
+        ``COPY_STREAK`` in a row), so a loop's acceptance is learnt in a few cycles.
+        Nor by their acceptance so far: copies the target refused earlier in a reply
+        say nothing of a loop it falls into later (retries stopped once that fell below
+        1.5 tokens a block, and the loop then decoded plainly to its end: replayed under
+        a recorded load, 0.29 of copying alone).
         """
-        if self._bucket == 0 or self._copy_next > 0:
-            return False
-        return self.copy_by_repeat[self._bucket].expected_tokens()[self.max_depth] >= 1.5
+        return self._bucket != 0 and self._copy_next <= 0
 
     def _copy_seen(self, drafted: int, accepted: int, retried: bool) -> None:
         """The retry schedule after a copy: reset by one the costs chose, moved on by a retry."""

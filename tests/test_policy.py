@@ -395,6 +395,27 @@ def test_retried_copies_back_off_where_they_are_refused():
     assert 1 <= retried <= 12, retried
 
 
+def test_copies_refused_earlier_are_retried_when_the_text_starts_looping():
+    """A reply repeats itself but the target refuses the copies (200 cycles), then falls into a loop it copies
+    whole. Retries used to stop once the copies' acceptance fell low (below 1.5 tokens for a full block) and the
+    loop then decoded plainly to its end: replayed on the looping pair's built-in prompts under a recorded load,
+    auto ran 0.29-0.5 of copying alone. Retries now go on at the backoff whatever the acceptance, so the loop is
+    found within one backoff interval."""
+    policy, history, copies, tokens, seconds = AdaptiveDepth(15), [1, 2, 3, 4, 5, 6, 7] * 3, 0, 0, 0.0
+    policy.start()
+    for i in range(800):
+        plan = policy.plan(history)
+        copying = plan.source == COPY
+        accepted = plan.depth if copying and i >= 200 else 0
+        took = 0.010 + (0.004 if plan.depth and not copying else 0.0) + plan.depth * 0.0005
+        policy.observe(plan.depth, accepted, took, COPY if copying else DRAFTER)
+        history += [history[-7]] * (accepted + 1)
+        if i >= 200:
+            tokens, seconds, copies = tokens + accepted + 1, seconds + took, copies + copying
+    always = 16 / (0.010 + 15 * 0.0005)
+    assert copies > 400 and tokens / seconds >= 0.7 * always, (copies, tokens / seconds / always)
+
+
 class Scripted:
     """A policy that drafts a given sequence of depths and sources (cycling), as hypothesis draws them."""
 
