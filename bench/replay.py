@@ -70,7 +70,7 @@ def profiles_for(path: Path, max_depth: int) -> list[replay.CostProfile]:
     out = []
     if measured.is_file():
         spec = json.loads(measured.read_text())
-        out.append(replay.CostProfile(spec["name"], spec["source"], spec["contexts"], spec["plain"], spec["cycle"]))
+        out.append(replay.CostProfile.from_dict(spec))
     return out + [replay.mac_profile(name, max_depth) for name in replay.MAC_PROFILES]
 
 

@@ -32,8 +32,8 @@ from mlx_lm.models.cache import KVCache, _BaseCache
 
 from .caches import DFlashCache
 from .errors import DFlashError
-from .generate import Emitted, InFlight, Prompt, Request, Row, decode, prefill, responses_of, setup, verdict_of
-from .policy import AdaptiveDepth, Plan
+from .generate import Emitted, InFlight, Prompt, Request, Row, decode, prefill, responses_of, setup
+from .policy import AdaptiveDepth, CycleCosts, Plan
 from .responses import GenerationResponse, GenerationResult
 from .target import Target
 
@@ -161,66 +161,89 @@ class RowView:
 
 
 @dataclass
-class BatchGate:
-    """Whether a batch cycle may draft (each row as its own policy plans) or decodes plainly, by measured throughput.
+class BatchPlanner:
+    """How deep the adaptive rows of a batch cycle draft: one depth for all, the one with the most expected tokens
+    per second of the whole batch.
 
-    A row's policy weighs its own drafts' tokens against the cycle's cost, but in a batch
-    one row's drafts widen every row's verify: a row that decodes plainly beside one
-    drafting 15 pays for 16 positions and gets one token. So the batch keeps, for the
-    cycles that drafted and those that did not, decaying sums of the tokens all rows got
-    and the seconds they took, and lets rows draft while that pays; else it decodes
-    plainly and retries drafting on a backoff (``min_probe`` cycles, doubling while it
-    loses, up to ``max_backoff``), so that acceptance that recovers is seen. Only rows
-    with an adaptive policy are held back: pinned blocks and seeded rejection sampling
-    (whose draw depends on its depths) draft as they would alone. A row alone is not
-    gated: its own policy is the whole story.
+    Alone, a row weighs its drafts against its own cycle. In a batch one row's drafts widen
+    every row's verify (blocks are padded to the deepest), so the depth is the batch's
+    choice: each row still chooses its source (its drafter, or a copy of its own history)
+    and keeps its acceptance estimates (``AdaptiveDepth.expected``), and the planner sums
+    them and prices a cycle of each depth with a cost model of its own, measured from the
+    batch's cycles (``CycleCosts``: its plain cycle and a line over the depth drafted,
+    relative to it; relative, because a further row adds its plain step and its positions
+    alike, so the line hardly moves as rows join and leave). It warms up as a row does (a
+    full block, a plain cycle, one token). While plain cycles win, a probe runs on a backoff
+    (``min_probe`` cycles, doubling while probes do not turn the decision, up to
+    ``max_backoff``), at the depth drafting would be best at: the rows' estimates learn only
+    from cycles that draft, and a one-token probe says nothing of the positions after the
+    first (replayed: a 4-row batch of a drafter accepted at 86% a token stayed plain, its
+    estimates of deep positions stuck low, at 0.88 of one request at a time).
+
+    It replaced a gate that let rows draft as they would alone or not at all: replayed on
+    published Mac costs, a 4B drafter accepted at 86% a token ran 0.71x one request at a
+    time at 2 rows and 0.96x at 4 (bench/batch_replay.py), the rows drafting full blocks a
+    batch could not pay for and the gate then holding them to plain steps.
     """
 
-    decay: float = 0.9
+    max_depth: int = 15
     min_probe: int = 8
     max_backoff: int = 256
-    _tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [plain, drafting]
-    _seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    _wait: int = 0  # plain cycles until the next retry
+    costs: CycleCosts = field(init=False)
+    _wait: int = 0  # plain cycles until the next probe
     _backoff: int = 0
+    _probe_against: Optional[float] = None  # the expected tokens per second of a plain cycle, while probing
 
-    def rate(self, drafting: bool) -> Optional[float]:
-        """Tokens per second of the batch's cycles of this kind (None until one is seen)."""
-        i = int(drafting)
-        return self._tokens[i] / self._seconds[i] if self._seconds[i] > 0 else None
+    def __post_init__(self) -> None:
+        self.costs = CycleCosts(self.max_depth)
+        self._wait = self._backoff = self.min_probe
 
-    def allows(self) -> bool:
-        """Whether the next cycle may draft."""
-        plain, drafting = self.rate(False), self.rate(True)
-        if drafting is None or plain is None:  # measure both: drafting first (the rows' policies warm up), then plain
-            return drafting is None
-        return drafting >= plain or self._wait <= 0
+    def depth(self, expected: Sequence[Sequence[float]]) -> int:
+        """The next cycle's depth, given each adaptive row's expected tokens per depth (of the source it plans)."""
+        if not self.costs.ready:
+            return self.costs.missing()[0]
+        rates = [sum(e[k] for e in expected) / self.costs.predict(k) for k in range(self.max_depth + 1)]
+        best = max(range(len(rates)), key=rates.__getitem__)
+        if best > 0:
+            self._wait = self._backoff = self.min_probe
+            return best
+        self._wait -= 1
+        if self._wait > 0:
+            return 0
+        self._wait, self._backoff = self._backoff, min(2 * self._backoff, self.max_backoff)
+        self._probe_against = rates[0]
+        return max(range(1, len(rates)), key=rates.__getitem__)  # the depth drafting would be best at
 
-    def observe(self, allowed: bool, drafted: bool, tokens: int, seconds: float) -> None:
-        """A cycle: whether it was allowed to draft, whether any row did, the tokens all rows got, its seconds."""
-        was_behind = (self.rate(True) or 0.0) < (self.rate(False) or float("inf"))
-        i = int(drafted)
-        self._tokens[i] = self.decay * self._tokens[i] + tokens
-        self._seconds[i] = self.decay * self._seconds[i] + seconds
-        if not allowed:
-            self._wait -= 1
-        elif drafted and was_behind:  # a retry: while drafting still loses, wait twice as long for the next
-            losing = (self.rate(True) or 0.0) < (self.rate(False) or 0.0)
-            self._backoff = min(2 * self._backoff, self.max_backoff) if losing else self.min_probe
-            self._wait = self._backoff if losing else 0
-        elif not drafted and self.rate(True) is not None and self._wait <= 0:
-            self._wait = self._backoff = max(self._backoff, self.min_probe)
+    def observe(self, deepest: int, seconds: float, tokens: int) -> None:
+        """A cycle: the most any row drafted, its seconds, and the tokens all rows got from it. A probe that got
+        more tokens a second than plain cycles are expected to is followed by another at once."""
+        self.costs.update(deepest, seconds)
+        if self._probe_against is not None and tokens / seconds >= self._probe_against:
+            self._wait, self._backoff = 0, self.min_probe
+        self._probe_against = None
+
+    def plans(self, policies: Sequence[Any], plans: Sequence[Plan]) -> list[Plan]:
+        """The rows' plans, with every adaptive row drafting the batch's depth from the source it planned. Pinned
+        blocks and seeded rejection sampling (whose draw depends on its depths) draft as they planned."""
+        adaptive = [i for i, policy in enumerate(policies) if isinstance(policy, AdaptiveDepth)]
+        if not adaptive:
+            return list(plans)
+        k = self.depth([policies[i].expected(plans[i].source) for i in adaptive])
+        out = list(plans)
+        for i in adaptive:
+            out[i] = Plan(k, plans[i].source, k) if k else Plan(0)
+        return out
 
 
 class BatchCycle(NamedTuple):
     """A batch cycle the device is computing: its rows (as they were), each row's verdict, when it started, whether
-    the gate allowed drafting (None: not gated) and whether any row drafted."""
+    the planner chose its depth, and the most any row drafted."""
 
     rows: list[Row]
     verdicts: list[InFlight]
     started: float
-    allowed: Optional[bool]
-    drafted: bool
+    planned: bool
+    deepest: int
 
 
 class Batch:
@@ -231,7 +254,7 @@ class Batch:
         self.layers = [RaggedKVCache() for _ in target.kinds]
         self.rows: list[Row] = []
         self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
-        self.gate = BatchGate()
+        self.planner = BatchPlanner()
 
     @staticmethod
     def fits(target: Target, cache: DFlashCache) -> bool:
@@ -272,21 +295,22 @@ class Batch:
         drops it with the rejected drafts.
         """
         started = time.perf_counter()
-        gated = len(self.rows) > 1  # a row alone: its own policy is the whole story
-        allowed = self.gate.allows() or not gated
-        plans = [row.plan() if allowed or not isinstance(row.policy, AdaptiveDepth) else Plan(0) for row in self.rows]
+        planned = len(self.rows) > 1  # a row alone: its own policy is the whole story
+        plans = [row.plan() for row in self.rows]
+        if planned:
+            plans = [row.capped(plan) for row, plan in
+                     zip(self.rows, self.planner.plans([row.policy for row in self.rows], plans))]
         with mx.stream(generation_stream):
             drafted = [row.draft(plan, row.last, row.last_id) for row, plan in zip(self.rows, plans)]
             n = max(d.block.shape[0] for d in drafted)
             blocks = mx.stack([mx.pad(d.block, (0, n - d.block.shape[0])) for d in drafted])
             logits, features = self.target(blocks, self.layers)
             cycles = [
-                verdict_of(row.sampling, d, logits[i, : d.block.shape[0]], features[i : i + 1, : d.block.shape[0]],
-                           row.logprobs)
+                row.verdict(d, logits[i, : d.block.shape[0]], features[i : i + 1, : d.block.shape[0]])
                 for i, (row, d) in enumerate(zip(self.rows, drafted))
             ]
         mx.async_eval([c.arrays() for c in cycles], [d.absorbed for d in drafted])
-        return BatchCycle(list(self.rows), cycles, started, allowed if gated else None, n > 1)
+        return BatchCycle(list(self.rows), cycles, started, planned, n - 1)
 
     def finish(self, cycle: BatchCycle, dropped: Sequence[Row] = ()) -> list[Optional[Emitted]]:
         """Read a started cycle and commit every row's part, but for the ``dropped`` rows (a stop string or a client
@@ -298,9 +322,9 @@ class Batch:
                 out.append(None)
             else:
                 out.append(row.finish(verdict, cycle.started))
-        if cycle.allowed is not None:
+        if cycle.planned:
             tokens = sum(e.accepted + 1 for e in out if e is not None)
-            self.gate.observe(cycle.allowed, cycle.drafted, tokens, time.perf_counter() - cycle.started)
+            self.planner.observe(cycle.deepest, time.perf_counter() - cycle.started, tokens)
         return out
 
     def cycle(self) -> list[Emitted]:

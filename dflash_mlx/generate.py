@@ -39,6 +39,7 @@ from .stops import StopStrings, stop_list
 from .target import Target
 
 Prompt = Union[str, Sequence[int], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (tokens so far, logits [1, V]) -> logits
 
 INTERRUPTED = "interrupted"  # the finish_reason of a generation that Ctrl-C cut short (chat, generate)
 
@@ -62,19 +63,18 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     return ids
 
 
-def check_context(max_positions: Optional[int], prompt_tokens: int, max_tokens: int) -> Optional[str]:
-    """Refuse a prompt that fills the model's positions; a warning when the reply may run past them.
+def check_context(max_positions: Optional[int], prompt_tokens: int, max_tokens: int) -> int:
+    """The token budget within the model's positions: ``max_tokens``, or what the prompt leaves of them; a prompt
+    that fills them is refused.
 
-    Every way in (generate, chat, serve) asks this one function, so they refuse the same inputs.
+    One rule for every way in (the library, generate, chat, serve, whose agents ask for more
+    than a local model holds): a reply stops at the end of the context, finish reason "length".
     """
     if max_positions is None:
-        return None
+        return max_tokens
     if prompt_tokens >= max_positions:
         raise DFlashError(f"the prompt has {prompt_tokens} tokens; this model takes at most {max_positions} positions")
-    if prompt_tokens + max_tokens > max_positions:
-        return (f"prompt ({prompt_tokens} tokens) + max tokens ({max_tokens}) runs past the model's {max_positions} "
-                "positions; it may degrade after that")
-    return None
+    return min(max_tokens, max_positions - prompt_tokens)
 
 
 def _cut(tokens: list[int], eos: frozenset[int], budget: int) -> tuple[list[int], Optional[str]]:
@@ -160,6 +160,21 @@ def verdict_of(
     return InFlight(proposal, drafted.source, accept, target_tokens, features, scored)
 
 
+def processed(processors: Sequence[LogitsProcessor], tokens: mx.array, start: int, logits: mx.array) -> mx.array:
+    """Logits [n, V] through ``processors``, row j given the tokens before it, ``tokens[: start + j]``: at every
+    position of a verified block with that position's own history, as mlx-lm applies them at every step. Drafts
+    are judged against the processed distribution, so greedy output is mlx-lm's with the same processors."""
+    if not processors:
+        return logits
+    rows = []
+    for j in range(logits.shape[0]):
+        row = logits[j : j + 1]
+        for processor in processors:
+            row = processor(tokens[: start + j], row)
+        rows.append(row)
+    return mx.concatenate(rows)
+
+
 def _read(cycle: InFlight) -> tuple[list[int], int, list[int]]:
     """(drafted tokens, how many the target accepted, the target's tokens): the one host read per cycle."""
     target_tokens = cycle.target_tokens.tolist()
@@ -241,9 +256,11 @@ class Row:
     """
 
     def __init__(self, target: Target, drafter: Drafter, cache: DFlashCache, lease: object, sampling: Sampling,
-                 policy: DraftPolicy, logprobs: Optional[int], eos: frozenset[int], max_tokens: int) -> None:
+                 policy: DraftPolicy, logprobs: Optional[int], eos: frozenset[int], max_tokens: int,
+                 processors: Sequence[LogitsProcessor] = ()) -> None:
         self.target, self.drafter, self.cache, self.lease = target, drafter, cache, lease
         self.sampling, self.policy, self.logprobs, self.eos, self.max_tokens = sampling, policy, logprobs, eos, max_tokens
+        self.processors = tuple(processors)
         self.key = None if sampling.greedy else sampling.key()
         self.emitted = 0
         self.last: mx.array = mx.array([0])  # the last emitted token, which the target has not consumed yet
@@ -259,6 +276,9 @@ class Row:
 
     def first(self, logits: mx.array) -> Emitted:
         """The first token, from the prefill's last logits."""
+        if self.processors:
+            history = mx.array(self.cache.tokens)
+            logits = processed(self.processors, history, len(self.cache.tokens), logits)
         last, scored = _first_token(logits, self.sampling, self.next_key(), len(self.cache.tokens), self.logprobs)
         self.last, self.last_id = last, last.item()
         tokens, reason = _cut([self.last_id], self.eos, self.max_tokens)
@@ -268,8 +288,12 @@ class Row:
 
     def plan(self, emitted: Optional[int] = None) -> Plan:
         """The policy's plan, within the block and what is left of the budget after ``emitted`` tokens."""
+        return self.capped(self.policy.plan(self.cache.tokens), emitted)
+
+    def capped(self, plan: Plan, emitted: Optional[int] = None) -> Plan:
+        """``plan`` within the block and what is left of the budget after ``emitted`` tokens."""
         emitted = self.emitted if emitted is None else emitted
-        plan, cap = self.policy.plan(self.cache.tokens), min(self.cache.block_size - 1, self.max_tokens - emitted - 1)
+        cap = min(self.cache.block_size - 1, self.max_tokens - emitted - 1)
         return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
 
     def draft(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> _Drafted:
@@ -289,9 +313,16 @@ class Row:
         with mx.stream(generation_stream):
             drafted = self.draft(plan, last, last_id)
             logits, features = self.target(drafted.block[None], self.cache.target)
-            cycle = verdict_of(self.sampling, drafted, logits[0], features, self.logprobs)
+            cycle = self.verdict(drafted, logits[0], features)
         mx.async_eval(cycle.arrays(), drafted.absorbed)
         return cycle, started
+
+    def verdict(self, drafted: _Drafted, logits: mx.array, features: mx.array) -> InFlight:
+        """The target's verdict on this row's drafted block from its logits [n, V], through the row's processors."""
+        if self.processors:
+            tokens = mx.concatenate([mx.array(self.cache.tokens, dtype=drafted.block.dtype), drafted.block])
+            logits = processed(self.processors, tokens, len(self.cache.tokens) + 1, logits)
+        return verdict_of(self.sampling, drafted, logits, features, self.logprobs)
 
     def finish(self, cycle: InFlight, started: float, committed: bool = False) -> Emitted:
         """Read a verified cycle, commit what it kept (unless ``committed`` already: a plain step), tell the policy
@@ -395,6 +426,7 @@ def stream_generate(
     stop: Union[None, str, Sequence[str]] = None,
     logprobs: Optional[int] = None,
     draft_source: str = "auto",
+    logits_processors: Optional[Sequence[LogitsProcessor]] = None,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
@@ -410,13 +442,22 @@ def stream_generate(
     string, and any text after it, is never in a response's text (text that could
     begin one is held back until the next cycle decides it); the response that
     ends on it has ``stop_sequence`` set, and its tokens end with the one that
-    completed the string. A prompt that fills the target's positions is refused.
+    completed the string. A prompt that fills the target's positions is refused; a reply
+    stops at the end of them (``finish_reason`` "length").
 
     ``logprobs=k`` gives each response ``logprobs`` (each token's log-probability
     under the target's own distribution, before temperature and filters, as plain
     decoding reports it) and ``top_logprobs`` (the k most likely tokens there, with
     theirs), taken from the logits of the verify that emitted the token: no pass
     of its own.
+
+    ``logits_processors`` are mlx-lm's (``mlx_lm.sample_utils.make_logits_processors``:
+    repetition, presence and frequency penalties, logit bias; or any callable
+    ``(tokens, logits) -> logits``), applied to the target's logits at every
+    verified position with that position's own history (the prompt and the tokens
+    before it), before sampling and logprobs, as mlx-lm applies them at every step:
+    greedy output equals mlx-lm's with the same processors, and sampling keeps the
+    processed distribution.
 
     ``cache`` (from :func:`make_cache`, same window and block size) carries the
     caches across calls: when its tokens begin the new prompt, only the rest is
@@ -449,7 +490,7 @@ def stream_generate(
         target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
         window=window, sinks=sinks, prefill_step_size=prefill_step_size, temperature=temperature, top_p=top_p,
         top_k=top_k, min_p=min_p, seed=seed, verify=verify, cache=cache, policy=policy, stop=stop, logprobs=logprobs,
-        draft_source=draft_source,
+        draft_source=draft_source, logits_processors=logits_processors,
     )
     decoder = decode(request.row, request.ids[request.reused:], request.prefill_step_size,
                       prompt_progress_callback or (lambda done, total: None))
@@ -478,7 +519,7 @@ def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **se
     prefill_step_size = _check_settings(drafter, block_size, o.max_tokens, o.window, o.sinks, o.prefill_step_size,
                                         o.logprobs)
     ids = encode_prompt(tokenizer, prompt)
-    check_context(target.max_positions, len(ids), o.max_tokens)
+    max_tokens = check_context(target.max_positions, len(ids), o.max_tokens)
     eos = frozenset(tokenizer.eos_token_ids if o.eos_token_ids is None else o.eos_token_ids)
     cache = _matching_cache(o.cache, target, drafter, o.window, o.sinks, block_size)
     check_source(o.draft_source)
@@ -489,7 +530,7 @@ def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **se
     if target.group is not None and not sampling.greedy and o.seed is None:  # every rank must draw the same
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
-    row = Row(target, drafter, cache, lease, sampling, policy, o.logprobs, eos, o.max_tokens)
+    row = Row(target, drafter, cache, lease, sampling, policy, o.logprobs, eos, max_tokens, o.logits_processors or ())
     responder = _Responder(tokenizer.detokenizer, stop_list(o.stop), len(ids), reused)
     return Request(row, ids, reused, prefill_step_size, responder)
 

@@ -399,6 +399,11 @@ class AdaptiveDepth:
         """The acceptance estimate the last decision went by (its repeat bucket's)."""
         return self.by_repeat[self._bucket]
 
+    def expected(self, source: str) -> list[float]:
+        """E[tokens of a cycle drafting k from ``source``], k = 0..max_depth, where the last decision was made."""
+        by_repeat = self.copy_by_repeat if source == COPY else self.by_repeat
+        return by_repeat[self._bucket].expected_tokens()
+
     def _rates(self) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
         assert self.seconds is not None

@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .policy import COPY, DRAFTER, CycleCosts, DraftPolicy, FixedBlock
+from .batch import BatchPlanner
+from .policy import COPY, DRAFTER, AdaptiveDepth, CycleCosts, DraftPolicy, FixedBlock, Plan
 from .repeats import Repeats
 
 
@@ -74,6 +75,16 @@ class Trace:
         return None if self.copied[p] < 0 else min(k, int(self.copied[p]))
 
 
+def synthetic(name: str, prompt: int, tokens: int, acceptance: float, max_depth: int, seed: int = 0) -> Trace:
+    """A trace of a drafter whose every next draft is accepted with probability ``acceptance`` (the per-token rate
+    published figures give, where there is no pair to record), over text that never repeats (no copies)."""
+    rng = np.random.default_rng(seed)
+    runs = np.minimum(rng.geometric(1 - acceptance, size=max(tokens - 1, 0)) - 1, max_depth)
+    accepted = np.minimum(runs[:, None], np.arange(max_depth + 1)[None, :])
+    drafts = np.full((len(runs), max_depth + 1, max_depth), -1, dtype=np.int64)
+    return Trace(name, list(range(prompt)), list(range(prompt, prompt + tokens)), drafts, accepted)
+
+
 @dataclass
 class CostProfile:
     """Seconds of a cycle drafting k tokens (k = 0: the decode loop's plain step) and of mlx-lm's plain step,
@@ -87,6 +98,7 @@ class CostProfile:
     contexts: list[int]
     plain: list[float]  # mlx-lm's step: the baseline every ratio is against
     cycle: list[list[float]]
+    row: Optional[float] = None  # what a further row adds to a batch step, in plain steps (None: a verified position)
     _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def _at(self, values: Sequence[float], context: int) -> float:
@@ -121,6 +133,35 @@ class CostProfile:
     def plain_seconds(self, context: int) -> float:
         return self._at(self.plain, context)
 
+    def _line(self, context: int) -> tuple[float, float]:
+        """(drafter pass, seconds per verified position) at ``context``: the drafting cycles' line from depth 1 to
+        the deepest measured."""
+        top = len(self.cycle[0]) - 1
+        per_position = (self.seconds(top, context) - self.seconds(1, context)) / max(top - 1, 1)
+        return max(self.seconds(1, context) - self.seconds(0, context) - per_position, 0.0), max(per_position, 0.0)
+
+    def _row_seconds(self, context: int) -> float:
+        """What one more row adds to a batch step: ``row`` plain steps where measured, else a verified position."""
+        return self.row * self.plain_seconds(context) if self.row is not None else self._line(context)[1]
+
+    def batch_seconds(self, cycles: Sequence[tuple[int, str]], context: int) -> float:
+        """Seconds of one batch cycle whose rows draft (k, source): a row alone as a solo cycle; else one plain
+        step, what each further row adds (``_row_seconds``), a drafter pass per row drafting from it, and a
+        verified position per padded draft position (rows' blocks are padded to the deepest). For one row this is
+        the row's own line (``_line``); bench/batch_replay.py checks it against measured batch cycles."""
+        if len(cycles) == 1:
+            (k, source), = cycles
+            return self.copy_seconds(k, context) if source == COPY else self.seconds(k, context)
+        drafter, per_position = self._line(context)
+        deepest = max(k for k, _ in cycles)
+        drafting = sum(1 for k, source in cycles if k and source != COPY)
+        return (self.seconds(0, context) + self._row_seconds(context) * (len(cycles) - 1) + drafter * drafting
+                + per_position * len(cycles) * deepest)
+
+    def plain_batch_seconds(self, rows: int, context: int) -> float:
+        """mlx-lm's batched plain step over ``rows`` rows."""
+        return self.plain_seconds(context) + self._row_seconds(context) * (rows - 1)
+
     @classmethod
     def relative(cls, name: str, source: str, max_depth: int, plain_step: float, upkeep: float, drafter: float,
                  per_token: float) -> "CostProfile":
@@ -131,7 +172,11 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "source": self.source, "contexts": self.contexts, "plain": self.plain,
-                "cycle": self.cycle}
+                "cycle": self.cycle, "row": self.row}
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "CostProfile":
+        return cls(spec["name"], spec["source"], spec["contexts"], spec["plain"], spec["cycle"], spec.get("row"))
 
 
 # Apple Silicon profiles from published end-to-end figures (../shared/reference/mac-figures.md), as ratios to
@@ -210,15 +255,27 @@ def _plain_seconds(trace: Trace, profile: CostProfile) -> float:
     return sum(profile.plain_seconds(len(trace.prompt) + p + 1) for p in range(len(trace.output) - 1))
 
 
+def _outcome(plan: Plan, trace: Trace, p: int, full: bool) -> tuple[int, int, str]:
+    """What a cycle planned at position p drafts, how many the target keeps, and from where: as the decode loop,
+    the plan's depth capped by the block and the budget; a copy planned where the history offers none runs the
+    plan's fallback from the drafter."""
+    n, B = len(trace.output), trace.max_depth
+    k = max(0, min(plan.depth, B, n - p - 2))
+    copied = trace.copy_at(p, k) if plan.source == COPY and k else None
+    if copied is not None:
+        return k, copied, COPY
+    k = k if plan.source != COPY else max(0, min(plan.fallback, B, n - p - 2))
+    return k, trace.accepted_at(p, k, full), DRAFTER
+
+
 def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile, full: bool = False,
              load: Optional[Load] = None, offset: float = 0.0) -> Replay:
     """Run ``policy`` over ``traces`` in order, as one process serving them one after another.
 
     As the decode loop: ``start`` per prompt, ``plan`` given the committed tokens (the
-    prompt and the output before the last emitted token), its depth capped by the block
-    and the budget, then ``observe`` with the profile's seconds at the current context
-    length (times the ``load``'s slowdown of the moment, from ``offset`` seconds into it).
-    A copy planned where the history offers none runs the plan's fallback.
+    prompt and the output before the last emitted token), then ``observe`` with the
+    profile's seconds at the current context length (times the ``load``'s slowdown of
+    the moment, from ``offset`` seconds into it).
     """
     total = Replay()
     clock = offset
@@ -229,25 +286,82 @@ def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile,
         history = list(trace.prompt)
         p = 0  # output[p] is emitted; the target has not consumed it yet
         while p < n - 1:
-            plan = policy.plan(history)
-            k = max(0, min(plan.depth, B, n - p - 2))
-            copied = trace.copy_at(p, k) if plan.source == COPY and k else None
-            if copied is not None:
-                a, seconds, source = copied, profile.copy_seconds(k, len(history) + 1), COPY
-                got.copies += 1
-            else:  # the drafter's plan, or its fallback where no copy is offered
-                k = k if plan.source != COPY else max(0, min(plan.fallback, B, n - p - 2))
-                a, seconds, source = trace.accepted_at(p, k, full), profile.seconds(k, len(history) + 1), DRAFTER
+            k, a, source = _outcome(policy.plan(history), trace, p, full)
+            context = len(history) + 1
+            seconds = profile.copy_seconds(k, context) if source == COPY else profile.seconds(k, context)
             if load is not None:
                 seconds *= load.at(clock)
                 clock += seconds
             policy.observe(k, a, seconds, source)
             got.seconds += seconds
             got.depths[k] += 1
+            got.copies += source == COPY
             history.extend(trace.output[p : p + a + 1])
             p += a + 1
         total.add(got)
     return total
+
+
+@dataclass
+class BatchReplay:
+    """A batch of rows replayed together: tokens, the batch's seconds, and the same rows' seconds one after another
+    (``serve --max-batch 1``) and in mlx-lm's batched plain decoding (``mlx_lm.server``)."""
+
+    rows: int
+    tokens: int = 0
+    seconds: float = 0.0
+    fifo_seconds: float = 0.0
+    plain_batch_seconds: float = 0.0
+    drafting_cycles: int = 0
+    cycles: int = 0
+
+    @property
+    def vs_fifo(self) -> float:
+        return self.fifo_seconds / self.seconds if self.seconds else 0.0
+
+    @property
+    def vs_plain_batch(self) -> float:
+        return self.plain_batch_seconds / self.seconds if self.seconds else 0.0
+
+
+def simulate_batch(make_policy: Callable[[], DraftPolicy], traces: Sequence[Trace], profile: CostProfile,
+                   full: bool = False) -> BatchReplay:
+    """Decode ``traces`` as rows of one batch, all joining at once and each leaving at its end, as ``Batch`` does.
+
+    Each row plans with a policy of its own (``make_policy``), the batch's ``BatchPlanner``
+    chooses the adaptive rows' depth, every
+    row observes the whole cycle's seconds, and the cycle is priced by
+    ``CostProfile.batch_seconds``. Against it: the rows one after another with one
+    shared policy (the FIFO server), and mlx-lm's batched plain steps.
+    """
+    rows = [(trace, make_policy(), list(trace.prompt), [0]) for trace in traces]
+    for _, policy, _, _ in rows:
+        policy.start()
+    planner, out = BatchPlanner(), BatchReplay(len(rows))
+    while active := [row for row in rows if row[3][0] < len(row[0].output) - 1]:
+        plans = [policy.plan(history) for _, policy, history, _ in active]
+        planned = len(active) > 1
+        if planned:
+            plans = planner.plans([policy for _, policy, _, _ in active], plans)
+        cycles = [_outcome(plan, trace, at[0], full) for plan, (trace, _, _, at) in zip(plans, active)]
+        context = round(sum(len(history) for _, _, history, _ in active) / len(active)) + 1
+        seconds = profile.batch_seconds([(k, source) for k, _, source in cycles], context)
+        for (trace, policy, history, at), (k, a, source) in zip(active, cycles):
+            policy.observe(k, a, seconds, source)
+            history.extend(trace.output[at[0] : at[0] + a + 1])
+            at[0] += a + 1
+        tokens = sum(a + 1 for _, a, _ in cycles)
+        deepest = max(k for k, _, _ in cycles)
+        if planned:
+            planner.observe(deepest, seconds, tokens)
+        out.tokens += tokens
+        out.seconds, out.cycles, out.drafting_cycles = out.seconds + seconds, out.cycles + 1, out.drafting_cycles + (deepest > 0)
+    out.fifo_seconds = simulate(make_policy(), traces, profile, full).seconds
+    longest = max((len(trace.output) - 1 for trace in traces), default=0)
+    for step in range(longest):  # mlx-lm: one token per row per step, rows leave at their end
+        contexts = [len(t.prompt) + step + 1 for t in traces if len(t.output) - 1 > step]
+        out.plain_batch_seconds += profile.plain_batch_seconds(len(contexts), round(sum(contexts) / len(contexts)))
+    return out
 
 
 def oracle(trace: Trace, profile: CostProfile, full: bool = False, copies: bool = True) -> float:

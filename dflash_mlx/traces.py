@@ -131,3 +131,32 @@ def measure_costs(target: Target, drafter: Drafter, tokenizer: Any, contexts: li
         plain.append(float(np.median(per_plain)))
         cycle.append([float(np.median(v)) for v in per_depth])
     return CostProfile(name, "measured by traces.measure_costs", list(contexts), plain, cycle)
+
+
+def measure_batch_cycles(target: Target, drafter: Drafter, tokenizer: Any, rows: int, depth: int, context: int,
+                         cycles: int = 16, repeats: int = 3) -> float:
+    """Seconds of one cycle of a batch of ``rows`` rows, each drafting ``depth`` tokens from the drafter (0: plain
+    steps), at about ``context`` tokens each: the median of ``repeats`` runs of ``cycles`` timed cycles."""
+    from .batch import Batch
+    from .bench import context_prompts
+    from .generate import prefill, setup
+
+    ids = context_prompts(tokenizer, [context], target.max_positions)[0].token_ids
+    runs = []
+    for _ in range(repeats):
+        batch = Batch(target)
+        requests = [setup(target, drafter, tokenizer, ids, max_tokens=cycles * (depth + 1) + 8,
+                          block_size=depth + 1, eos_token_ids=[]) for _ in range(rows)]
+        for request in requests:
+            request.row.first(prefill(target, drafter, request.row.cache, ids, 2048, lambda done, total: None))
+            batch.join(request.row)
+        batch.cycle()  # the first cycle pays for buffers the prefill handed back
+        tic = time.perf_counter()
+        for _ in range(cycles):
+            batch.cycle()
+        runs.append((time.perf_counter() - tic) / cycles)
+        for request in requests:
+            batch.leave(request.row)
+            request.row.cache.abandon()
+    return float(np.median(runs))
+
