@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install agents chat pair bench clean
+.PHONY: test install agents chat pair pair-quick bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ chat: $(STAMP)
 # A small trained pair built offline from Python's own sources (about an hour on 2 cores), as a bundle.
 pair: $(STAMP)
 	$(PY) bench/build_pair.py
+
+# The same in a couple of minutes, to try the commands with: its target loops, so its figures mean nothing.
+pair-quick: $(STAMP)
+	$(PY) bench/build_pair.py --quick
 
 # The coding agents the server is tested with, at the versions tested (tests/test_agent_clis.py runs them against a
 # real `serve`). Without npm the tests that need them skip, saying so; `apt-get install nodejs npm` brings it.

@@ -110,7 +110,9 @@ def print_report(report: dict[str, Any], out: "Console") -> None:
         copied = f"  copied {copy['accepted']}/{copy['drafted']}" if copy["drafted"] else ""
         out.print(f"  {escape(_label(r))}  {depths_text(r['depth_histogram'])}{copied}{flags}")
     if summary.get("sources"):
-        out.print("drafted (accepted) tokens by source: " + ", ".join(
+        over = (f" over the {summary['prompts'] - summary['flagged']} prompts not flagged" if summary["flagged"]
+                else "")
+        out.print(f"drafted (accepted) tokens by source{over}: " + ", ".join(
             f"{source} {t['drafted']} ({t['accepted']})" for source, t in summary["sources"].items()))
     if summary["from_prompt"] is not None and summary["from_prompt"]["max"] > 0:
         out.print(f"output re-emitting the prompt (8-token spans): median {summary['from_prompt']['median']:.0%}")

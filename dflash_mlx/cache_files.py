@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import secrets
+import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,18 +33,20 @@ SAMPLES, SAMPLE_BYTES = 8, 1 << 16  # blocks of each weight file's data that its
 
 
 def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, block_size: int) -> str:
-    """What a cache belongs to: the pair's files (configs, weight files), the target's dtype and feature layers,
-    and the cache settings. Caches of another model, of other weights in the same folder, or of other settings never
-    match. Tokenizer files are left out: a cache maps token ids to the model's state, whatever text made them."""
-    def files(folder: Optional[Path], what: str) -> dict[str, Any]:
+    """What a cache belongs to: the pair's files (configs, weight files, a LoRA adapter's), the target's dtype and
+    feature layers, and the cache settings. Caches of another model, of other weights in the same folder, or of
+    other settings never match. Tokenizer files are left out: a cache maps token ids to the model's state, whatever text made them."""
+    def files(folder: Optional[Path], what: str, config: str = "config.json") -> dict[str, Any]:
         if folder is None:
             raise DFlashError(f"a cache on disk needs to know the {what}'s files: load the pair with dflash_mlx.load")
         weights = sorted(folder.glob("*.safetensors"))
-        return {"config": (folder / "config.json").read_text(), "weights": [_weight_file(f) for f in weights]}
+        return {"config": (folder / config).read_text(), "weights": [_weight_file(f) for f in weights]}
 
     parts = {"format": FORMAT, "target": files(getattr(target, "source", None), "target"),
              "drafter": files(getattr(drafter, "source", None), "drafter"), "layers": list(target.layer_ids),
              "dtype": str(target.dtype), "window": window, "sinks": sinks, "block_size": block_size}
+    if (adapter := getattr(target, "adapter", None)) is not None:  # absent otherwise: caches saved before still match
+        parts["adapter"] = files(adapter, "adapter", "adapter_config.json")
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -181,7 +184,7 @@ def read_state(path: Path, print_: str) -> tuple[CacheState, dict[str, Any]]:
     try:
         arrays = mx.load(str(path))
     except Exception as e:  # noqa: BLE001 (mlx raises several kinds on a damaged file)
-        raise ValueError(f"unreadable ({' '.join(str(e).split())[:120]})") from None
+        raise ValueError(f"unreadable ({textwrap.shorten(str(e), 120, placeholder=' ...')})") from None
     sums = header["checksums"]
     if set(arrays) != set(sums) or any(_checksum(arrays[name]) != value for name, value in sums.items()):
         raise ValueError("corrupted (its arrays do not match their checksums)")

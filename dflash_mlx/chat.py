@@ -43,6 +43,7 @@ class ChatSession:
     sinks: int = 0
     block_size: Optional[int] = None
     options: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, ... for generate()
+    template_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the chat template
     messages: list[dict[str, str]] = field(default_factory=list)
     last: Optional[GenerationResult] = None
     replies: list[GenerationResult] = field(default_factory=list)  # this conversation's, for its totals
@@ -56,7 +57,8 @@ class ChatSession:
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return render(self.tokenizer, system + messages, thinking=self.think, tokenize=False)
+        return render(self.tokenizer, system + messages, thinking=self.think, tokenize=False,
+                      template_kwargs=self.template_args)
 
     def _prompt(self) -> list[int]:
         """Token ids for the next reply: the previous turns' own ids plus only the new part.

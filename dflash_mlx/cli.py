@@ -6,12 +6,13 @@ prints what it did (cli_output, cli_progress; the chat loop in cli_chat, bench's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -19,7 +20,7 @@ from rich.markup import escape
 
 from . import __version__, distributed
 from .cli_checks import (check_bench, check_http_stack, check_loaded, check_options, check_serving, duration,
-                         integers, origins, prompt_caches)
+                         integers, logits_processors, origins, processing, prompt_caches, template_args)
 from .cli_models import bundle_manifests, load_model, pair_rows, thinking_mismatch
 from .cli_output import (generation_json, generation_stats, looping_note, print_machine, print_models,
                          print_selftest, rank_peaks, serving_line, training_summary)
@@ -103,7 +104,17 @@ PREFILL_STEP = typer.Option(
 TEMPLATE = typer.Option(
     None, "--chat-template", help="A chat template, as a Jinja file or its text, for a model without one (or instead of its own)."
 )
+TEMPLATE_ARGS = typer.Option(
+    None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON: '{\"enable_thinking\": false}'."
+)
+ADAPTER = typer.Option(None, "--adapter-path", help="An mlx-lm LoRA adapter folder (mlx_lm.lora's output) for the target.")
 STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
+REPETITION = typer.Option(None, "--repetition-penalty", help="Divide the logits of tokens seen in the last "
+                                                               "--repetition-context-size tokens by this (as mlx-lm).")
+REPETITION_CONTEXT = typer.Option(20, "--repetition-context-size", help="Tokens --repetition-penalty looks back on.")
+PRESENCE = typer.Option(None, "--presence-penalty", help="Subtract this from the logits of tokens seen in the last 20.")
+FREQUENCY = typer.Option(None, "--frequency-penalty", help="Subtract this times each token's count in the last 20.")
+LOGIT_BIAS = typer.Option(None, "--logit-bias", help="Add to tokens' logits: a JSON object of token ids to numbers.")
 SOURCE = typer.Option("auto", "--draft-source", help="Where drafts come from: auto (each cycle, the drafter or a copy "
                                                       "of text the context already holds), drafter, or copy only.")
 
@@ -145,7 +156,14 @@ def generate(
     verify: str = VERIFY,
     stop: Optional[list[str]] = STOP,
     draft_source: str = SOURCE,
+    repetition_penalty: Optional[float] = REPETITION,
+    repetition_context_size: int = REPETITION_CONTEXT,
+    presence_penalty: Optional[float] = PRESENCE,
+    frequency_penalty: Optional[float] = FREQUENCY,
+    logit_bias: Optional[str] = LOGIT_BIAS,
     chat_template: Optional[str] = TEMPLATE,
+    chat_template_args: Optional[str] = TEMPLATE_ARGS,
+    adapter_path: Optional[str] = ADAPTER,
     raw: bool = typer.Option(False, "--no-chat-template", help="Send the prompt as raw text, without the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
@@ -155,24 +173,30 @@ def generate(
 
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, **sampling)
+    penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
+    template_kwargs = template_args(chat_template_args)
     if raw and chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
         prompt = sys.stdin.read()
-    _, tgt, drafter, tokenizer = load_model(draft, target, chat_template, err)
+    _, tgt, drafter, tokenizer = load_model(draft, target, chat_template, err, adapter_path)
     _before_decoding(window, sinks, block_size, drafter)
-    ids = encode_prompt(tokenizer, prompt) if raw or not has_chat_template(tokenizer) else render(tokenizer, user(prompt))
-    if warning := check_context(tgt.max_positions, len(ids), max_tokens):
-        _warn(warning)
-    responses, interrupted = _stream(tgt, drafter, tokenizer, ids, as_json, max_tokens=max_tokens, block_size=block_size,
-                                     window=window, sinks=sinks, prefill_step_size=prefill_step_size, stop=stop,
-                                     draft_source=draft_source, **sampling)
-    _end_generation(responses, interrupted, as_json)
+    chat = not raw and has_chat_template(tokenizer)
+    ids = render(tokenizer, user(prompt), template_kwargs=template_kwargs) if chat else encode_prompt(tokenizer, prompt)
+    if (budget := check_context(tgt.max_positions, len(ids), max_tokens)) < max_tokens:
+        err.print(f"[dim]note: the prompt ({len(ids)} tokens) leaves {budget} of the model's {tgt.max_positions} "
+                  "positions: the reply stops at the end of them[/]", soft_wrap=True)
+    responses, stopped = _stream(tgt, drafter, tokenizer, ids, as_json, max_tokens=max_tokens, block_size=block_size,
+                                 window=window, sinks=sinks, prefill_step_size=prefill_step_size, stop=stop,
+                                 draft_source=draft_source,
+                                 logits_processors=logits_processors(penalties, tgt.vocab_size), **sampling)
+    _end_generation(responses, stopped, as_json)
 
 
 def _stream(tgt: Any, drafter: Any, tokenizer: Any, ids: list[int], as_json: bool,
-            **options: Any) -> tuple[list[GenerationResponse], bool]:
-    """(responses, interrupted): the text printed as it comes unless --json; Ctrl-C keeps what was generated."""
+            **options: Any) -> tuple[list[GenerationResponse], Optional[int]]:
+    """(responses, the exit code of an interruption or None): the text printed as it comes unless --json; Ctrl-C
+    and SIGTERM keep what was generated."""
     from .generate import generate as run
 
     responses: list[GenerationResponse] = []
@@ -184,17 +208,36 @@ def _stream(tgt: Any, drafter: Any, tokenizer: Any, ids: list[int], as_json: boo
             sys.stdout.flush()
 
     try:
-        with prefill_progress(err) as progress:
+        with prefill_progress(err) as progress, _terminate_as_interrupt():
             run(tgt, drafter, tokenizer, ids, on_response=show, prompt_progress_callback=progress, **options)
-    except KeyboardInterrupt:  # what was generated is kept: printed, and in the JSON marked interrupted
-        return responses, True
-    return responses, False
+    except KeyboardInterrupt as e:  # what was generated is kept: printed, and in the JSON marked interrupted
+        return responses, 143 if isinstance(e, _Terminated) else 130
+    return responses, None
 
 
-def _end_generation(responses: list[GenerationResponse], interrupted: bool, as_json: bool) -> None:
-    """The JSON (or the reply's last newline) on stdout, the figures on stderr; exit 130 after Ctrl-C."""
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a supervisor, `timeout`, `kill`) during a generation: handled as Ctrl-C is, exit 143."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``_Terminated`` while generating, so what was generated is kept and reported."""
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _end_generation(responses: list[GenerationResponse], stopped: Optional[int], as_json: bool) -> None:
+    """The JSON (or the reply's last newline) on stdout, the figures on stderr; after an interruption, its exit code
+    (``stopped``: 130 after Ctrl-C, 143 after SIGTERM)."""
     from .generate import INTERRUPTED, GenerationResult
 
+    interrupted = stopped is not None
     result = GenerationResult.from_responses(responses, INTERRUPTED if interrupted else None) if responses else None
     if as_json:
         typer.echo(generation_json(result, interrupted, rank_peaks(result.peak_memory if result else 0.0, interrupted)))
@@ -204,8 +247,8 @@ def _end_generation(responses: list[GenerationResponse], interrupted: bool, as_j
         err.print("[yellow]interrupted[/] before the first token")
     else:
         err.print(generation_stats(result), soft_wrap=True)
-    if interrupted:
-        raise typer.Exit(130)
+    if stopped is not None:
+        raise typer.Exit(stopped)
 
 
 @app.command()
@@ -298,7 +341,14 @@ def chat(
     verify: str = VERIFY,
     stop: Optional[list[str]] = STOP,
     draft_source: str = SOURCE,
+    repetition_penalty: Optional[float] = REPETITION,
+    repetition_context_size: int = REPETITION_CONTEXT,
+    presence_penalty: Optional[float] = PRESENCE,
+    frequency_penalty: Optional[float] = FREQUENCY,
+    logit_bias: Optional[str] = LOGIT_BIAS,
     chat_template: Optional[str] = TEMPLATE,
+    chat_template_args: Optional[str] = TEMPLATE_ARGS,
+    adapter_path: Optional[str] = ADAPTER,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
@@ -309,13 +359,16 @@ def chat(
 
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, **sampling)
-    model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err)
+    penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
+    template_kwargs = template_args(chat_template_args)
+    model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
     if warning := thinking_mismatch(model, think):
         err.print(f"[yellow]warning:[/] {warning}")
     _before_decoding(window, sinks, block_size, drafter)
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
-                          block_size=block_size,
-                          options=dict(max_tokens=max_tokens, **sampling, stop=stop, draft_source=draft_source))
+                          block_size=block_size, template_args=template_kwargs,
+                          options=dict(max_tokens=max_tokens, **sampling, stop=stop, draft_source=draft_source,
+                                       logits_processors=logits_processors(penalties, tgt.vocab_size)))
     converse(session, model, err)
 
 
@@ -333,6 +386,7 @@ def bench(
     block_size: Optional[int] = BLOCK_SIZE,
     draft_source: str = SOURCE,
     temperature: float = TEMP,
+    adapter_path: Optional[str] = ADAPTER,
     repeats: int = typer.Option(1, "--repeats", help="Runs per prompt; the order of the two paths alternates."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup and tau vs context and the acceptance histogram (PNG)."),
@@ -357,7 +411,7 @@ def bench(
     lengths = check_bench(repeats, num_prompts, dataset, prompt_tokens, score, score_timeout, score_unisolated,
                           json_out, plot_out, force)
     listed = cli_bench.listed_prompts(dataset, num_prompts)
-    tgt, drafter, tokenizer = load(model, target)
+    tgt, drafter, tokenizer = load(model, target, adapter_path=adapter_path)
     _before_decoding(window, sinks, block_size, drafter)
     conversations = cli_bench.bench_prompts(listed, lengths, dataset, num_prompts, tokenizer, tgt.max_positions)
     options = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
@@ -454,6 +508,10 @@ def serve(
     sinks: int = SINKS,
     prefill_step_size: Optional[int] = PREFILL_STEP,
     chat_template: Optional[str] = TEMPLATE,
+    chat_template_args: Optional[str] = typer.Option(
+        None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON, that a request's "
+        "chat_template_kwargs add to or override: '{\"enable_thinking\": false}'."),
+    adapter_path: Optional[str] = ADAPTER,
     temperature: float = typer.Option(0.0, "--temp", help="Temperature of requests that set none (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="top_p of requests that set none."),
     top_k: int = typer.Option(0, "--top-k", help="top_k of requests that set none."),
@@ -484,9 +542,10 @@ def serve(
                   top_p=top_p, top_k=top_k, min_p=min_p)
     check_serving(port, keepalive, log_level, max_batch)
     caches = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
-    model, engine = _engine(model, target, chat_template, caches, window, sinks, block_size, draft_source=draft_source,
+    model, engine = _engine(model, target, chat_template, adapter_path, caches, window, sinks, block_size,
+                            draft_source=draft_source,
                             prefill_step_size=prefill_step_size, max_batch=max_batch,
-                            defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens))
+                            defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens, template_args(chat_template_args)))
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
@@ -495,8 +554,9 @@ def serve(
     err.print("stopped")
 
 
-def _engine(model: Optional[str], target: Optional[str], chat_template: Optional[str], caches: dict[str, Any],
-            window: Optional[int], sinks: int, block_size: Optional[int], **options: Any) -> tuple[str, Any]:
+def _engine(model: Optional[str], target: Optional[str], chat_template: Optional[str], adapter_path: Optional[str],
+            caches: dict[str, Any], window: Optional[int], sinks: int, block_size: Optional[int],
+            **options: Any) -> tuple[str, Any]:
     """(name, engine): the pair loaded under a status line, its prompt caches capped at a quarter of memory
     unless --prompt-cache-bytes says otherwise or the target is sharded."""
     from .batch import default_max_batch
@@ -504,7 +564,7 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
     from .system import machine_description
 
     with err.status("loading the model"):
-        model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err)
+        model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
     _before_decoding(window, sinks, block_size, drafter)
     if caches["cache_bytes"] is None and tgt.group is None:
         caches["cache_bytes"] = machine_description()["memory_bytes"] // 4

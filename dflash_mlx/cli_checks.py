@@ -32,6 +32,52 @@ def check_options(block_size: Optional[int], max_tokens: int, window: Optional[i
     Sampling(**sampling)
 
 
+def processing(repetition_penalty: Optional[float], repetition_context_size: int, presence_penalty: Optional[float],
+               frequency_penalty: Optional[float], logit_bias: Optional[str]) -> dict[str, Any]:
+    """mlx-lm's logits processors' settings from the flags (``make_logits_processors``' arguments), checked."""
+    import json
+
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        raise DFlashError(f"--repetition-penalty must be above 0 (1 leaves the logits alone), got {repetition_penalty}")
+    if repetition_context_size < 1:
+        raise DFlashError(f"--repetition-context-size must be >= 1, got {repetition_context_size}")
+    settings: dict[str, Any] = {"repetition_penalty": repetition_penalty,
+                                "repetition_context_size": repetition_context_size,
+                                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty}
+    if logit_bias is not None:
+        try:
+            settings["logit_bias"] = {int(k): float(v) for k, v in json.loads(logit_bias).items()}
+        except (ValueError, TypeError, AttributeError):
+            raise DFlashError(f"--logit-bias takes a JSON object of token ids to numbers, like '{{\"42\": -5}}', "
+                              f"got {logit_bias!r}") from None
+    return {k: v for k, v in settings.items() if v is not None}
+
+
+def template_args(text: Optional[str]) -> dict[str, Any]:
+    """--chat-template-args: a JSON object of keyword arguments for the chat template (as mlx-lm's server)."""
+    import json
+
+    if text is None:
+        return {}
+    try:
+        args = json.loads(text)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise DFlashError(f"--chat-template-args takes a JSON object, like '{{\"enable_thinking\": false}}', got {text!r}")
+    return args
+
+
+def logits_processors(settings: dict[str, Any], vocab_size: int) -> Optional[list[Any]]:
+    """The processors of checked ``processing`` settings, once the target's vocabulary is known (None: none set)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    outside = [t for t in settings.get("logit_bias", {}) if not 0 <= t < vocab_size]
+    if outside:
+        raise DFlashError(f"--logit-bias: token {outside[0]} is outside the vocabulary (0-{vocab_size - 1})")
+    return make_logits_processors(**settings) or None
+
+
 def check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
     """Once the drafter is loaded: a block it was trained for, and a window that holds it."""
     from .caches import check_block_size, check_window

@@ -13,10 +13,11 @@ from .errors import DFlashError
 
 
 def load_model(model: Optional[str], target: Optional[str], chat_template: Optional[str],
-               note: Console) -> tuple[str, Any, Any, Any]:
+               note: Console, adapter_path: Optional[str] = None) -> tuple[str, Any, Any, Any]:
     """(name, target, drafter, tokenizer) of MODEL, or of the published pair that fits this machine.
 
-    ``chat_template`` is the --chat-template value (a file or the text); ``note`` says which
+    ``chat_template`` is the --chat-template value (a file or the text), ``adapter_path`` the
+    --adapter-path one (a LoRA adapter folder for the target); ``note`` says which
     pair was picked when none was named. Offline, the default pair cannot be downloaded: the
     error then says how to build and use a local one.
     """
@@ -32,7 +33,7 @@ def load_model(model: Optional[str], target: Optional[str], chat_template: Optio
         model = default_pair(machine_description()["memory_bytes"]).drafter
         note.print(f"[dim]no model given: using {escape(model)} (fits this machine's memory)[/]")
     try:
-        return (model, *load(model, target, template))
+        return (model, *load(model, target, template, adapter_path))
     except DownloadError as e:
         if not default:
             raise

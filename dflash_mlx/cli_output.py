@@ -108,7 +108,8 @@ def print_selftest(out: Console, model: str, result: Any, tokenizer: Any, max_to
     out.print(f"selftest      {escape(model)}: plain vs DFlash greedy, {max_tokens} tokens per prompt; "
               f"{dtype} logits: a divergence within {limit} of the top logit is a near-tie")
     for p in result.prompts:
-        line = f"  {p.name:<11} plain {p.plain_tps:.1f} tok/s, DFlash {p.dflash_tps:.1f} tok/s, {p.speedup:.2f}x  "
+        loop = " (degenerate loop)" if p.looping else ""
+        line = f"  {p.name:<11} plain {p.plain_tps:.1f} tok/s, DFlash {p.dflash_tps:.1f} tok/s, {p.speedup:.2f}x{loop}  "
         d = p.divergence
         if d is None:
             out.print(line + "identical")
@@ -117,7 +118,13 @@ def print_selftest(out: Console, model: str, result: Any, tokenizer: Any, max_to
         verdict = f"< {limit}: near-tie" if d.near_tie else f">= {limit}: [bold red]real divergence[/]"
         out.print(line + f"differs at token {d.position}: plain {plain_token}, DFlash {dflash_token}; target logits: "
                   f"top-1 - top-2 = {d.margin:.3g}, top-1 - lower of the two = {d.gap:.3g} {verdict}")
-    out.print(f"speedup       {result.speedup:.2f}x overall (decode tok/s, DFlash over plain)")
+    looping = sum(p.looping for p in result.prompts)
+    if result.speedup is None:
+        out.print(f"speedup       n/a: all {looping} replies of the target are degenerate loops, whose speed measures "
+                  "the loop, not the drafter (is the target trained enough?)")
+    else:
+        left_out = f"; {looping} looping replies left out, a loop inflates it" if looping else ""
+        out.print(f"speedup       {result.speedup:.2f}x overall (decode tok/s, DFlash over plain{left_out})")
     if result.exit_code == EXIT_IDENTICAL:
         out.print(f"verdict       lossless: identical to plain greedy decoding on all {len(result.prompts)} prompts")
     elif result.exit_code == EXIT_NEAR_TIE:

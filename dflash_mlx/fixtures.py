@@ -341,6 +341,25 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
     return path
 
 
+def write_lora_adapter(path: Path, target_path: Path, rank: int = 4, layers: int = 2, seed: int = 0) -> Path:
+    """An mlx-lm LoRA adapter for the target in ``target_path``, as ``mlx_lm.lora`` writes one (adapter_config.json,
+    adapters.safetensors), with random low-rank updates large enough to change the target's greedy output."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load as mlx_lm_load
+
+    path.mkdir(parents=True, exist_ok=True)
+    model, _ = mlx_lm_load(str(target_path))
+    parameters = {"rank": rank, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, layers, parameters)
+    rng = np.random.default_rng(seed)
+    weights = {k: mx.array(rng.normal(0, 0.05, v.shape).astype(np.float32))
+               for k, v in tree_flatten(model.parameters()) if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": parameters}, indent=1))
+    return path
+
+
 # Qwen3's tool format (tools listed in the system turn, calls as <tool_call> JSON, results as <tool_response>
 # in a user turn, <think> reasoning, a later system message rendered as a system turn), for scripted targets. A
 # scripted target sees only its last token, so the generation prompt says which turn this is:

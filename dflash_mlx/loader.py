@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -217,8 +218,22 @@ def check_target_folder(path: Path, ranks: int = 1) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model")
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")  # what mlx-lm's LoRA training writes
+
+
+def check_adapter(path: Path) -> None:
+    """An mlx-lm LoRA adapter folder (``mlx_lm.lora``'s output), or a one-line error."""
+    if not path.is_dir():
+        raise DFlashError(f"adapter path {path}: no such folder")
+    missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
+    if missing:
+        raise DFlashError(f"adapter path {path} has no {missing[0]}: give the folder mlx_lm.lora wrote its adapters "
+                          "to (a fused model is a target of its own: pass it as --target)")
+
+
 def load_target(
-    path: Path, group: Optional[mx.distributed.Group] = None, chat_template: Optional[str] = None
+    path: Path, group: Optional[mx.distributed.Group] = None, chat_template: Optional[str] = None,
+    adapter: Optional[Path] = None,
 ) -> tuple[Any, Any]:
     """The mlx-lm model and tokenizer in ``path``, or a one-line error naming the problem.
 
@@ -226,7 +241,8 @@ def load_target(
     sharded before they are evaluated, so each rank holds only its share.
     ``chat_template`` (Jinja text) replaces the tokenizer's template, or gives one
     to a model that has none, as mlx-lm's ``--chat-template`` does; mlx-lm then
-    infers the tool-call format from it.
+    infers the tool-call format from it. ``adapter``: an mlx-lm LoRA adapter
+    folder, applied to the target as mlx-lm's ``load`` does (unfused).
     """
     from mlx_lm.utils import load as mlx_lm_load
     from mlx_lm.utils import sharded_load
@@ -235,19 +251,25 @@ def load_target(
     if not any(any(path.glob(pattern)) for pattern in TOKENIZER_FILES):
         raise DFlashError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): copy the tokenizer files of the "
                           "model it was made from into it")
+    if adapter is not None:
+        check_adapter(adapter)
+        if group is not None:
+            raise DFlashError("LoRA adapters are not applied to a sharded target: fuse them first "
+                              "(mlx_lm.fuse) and pass the fused model as the target")
     extra = {"chat_template": chat_template} if chat_template is not None else None
     try:
         if group is None:
-            return mlx_lm_load(str(path), tokenizer_config=extra)
+            return mlx_lm_load(str(path), tokenizer_config=extra, adapter_path=None if adapter is None else str(adapter))
         return sharded_load(str(path), tensor_group=group, tokenizer_config=extra)
     except DFlashError:
         raise
     except Exception as e:  # mlx-lm reports bad folders with many exception types, some over several lines
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise DFlashError(f"cannot load target {path}: {reason[:300]}") from None
+        reason = textwrap.shorten(str(e), 300, placeholder=" ...") or type(e).__name__
+        raise DFlashError(f"cannot load target {path}: {reason}") from None
 
 
-def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] = None) -> tuple[Target, Drafter, Any]:
+def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] = None,
+         adapter_path: Optional[str] = None) -> tuple[Target, Drafter, Any]:
     """Load a DFlash drafter and its target.
 
     ``draft`` is a converted bundle folder, a drafter folder, a Hub repo id or a
@@ -257,6 +279,9 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
     The drafter runs in the target's float dtype, so a bf16 checkpoint drives a
     float32 target without mixed-precision casts. ``chat_template`` (Jinja text)
     replaces the target's chat template, or gives one to a model without.
+    ``adapter_path``: an mlx-lm LoRA adapter folder for the target (the drafter
+    drafts for the target it was trained for; what the adapter changes, the
+    verify follows, so the output is the adapted target's own).
     """
     bundle = Path(draft).expanduser()
     if is_bundle(bundle):
@@ -269,9 +294,10 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
         raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
     group = distributed.group()
     target_path = resolve(target, "target")
-    model, tokenizer = load_target(target_path, group, chat_template)
+    adapter = None if adapter_path is None else Path(adapter_path).expanduser()
+    model, tokenizer = load_target(target_path, group, chat_template, adapter)
     tgt = Target(model, drafter.target_layer_ids, group)
-    tgt.source, drafter.source = target_path, draft_path  # what a saved cache records it was made with
+    tgt.source, tgt.adapter, drafter.source = target_path, adapter, draft_path  # what a saved cache records
     check_pair(tgt, drafter)
     dtype = tgt.dtype
     drafter.update(cast_floats(drafter.parameters(), dtype))

@@ -73,6 +73,7 @@ class PromptCheck:
     plain_tps: float  # decode tok/s, after the first token
     dflash_tps: float
     divergence: Optional[Divergence] = None
+    looping: bool = False  # the target's reply is a degenerate loop (``bench.degenerate``), which inflates the speedup
 
     @property
     def identical(self) -> bool:
@@ -90,10 +91,14 @@ class SelftestResult:
     threshold: float  # near-tie logit gap for that dtype
 
     @property
-    def speedup(self) -> float:
-        """Plain decode time over DFlash decode time, summed over the prompts (same tokens)."""
-        plain = sum((p.generated_tokens - 1) / p.plain_tps for p in self.prompts)
-        dflash = sum((p.generated_tokens - 1) / p.dflash_tps for p in self.prompts)
+    def speedup(self) -> Optional[float]:
+        """Plain decode time over DFlash decode time, summed over the prompts whose replies do not loop (same
+        tokens); None when every reply loops: a loop measures itself, not the drafter (as ``bench`` leaves them out)."""
+        fair = [p for p in self.prompts if not p.looping]
+        if not fair:
+            return None
+        plain = sum((p.generated_tokens - 1) / p.plain_tps for p in fair)
+        dflash = sum((p.generated_tokens - 1) / p.dflash_tps for p in fair)
         return plain / dflash
 
     @property
@@ -154,5 +159,6 @@ def selftest(
         plain, dflash = r["plain"], r["dflash"]
         divergence = first_divergence(target.model, conv.token_ids, plain["tokens"], dflash["tokens"], threshold)
         checks.append(PromptCheck(r["prompt"], r["prompt_tokens"], r["generated_tokens"],
-                                  plain["decode_tps"], dflash["decode_tps"], divergence))
+                                  plain["decode_tps"], dflash["decode_tps"], divergence,
+                                  bench.degenerate(plain["tokens"])))
     return SelftestResult(checks, target.dtype, threshold)

@@ -135,6 +135,7 @@ class Target:
             )
         self._capture = set(self.layer_ids)  # a layer listed twice is captured once, used twice
         self.source: Optional[Path] = None  # the folder it was loaded from (``load`` sets it)
+        self.adapter: Optional[Path] = None  # the LoRA adapter folder applied to it, if any
 
     @property
     def num_layers(self) -> int:

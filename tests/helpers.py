@@ -19,7 +19,8 @@ from mlx_lm.generate import generate_step
 
 
 def plain_greedy(
-    model, prompt: list[int], max_tokens: int, eos: Iterable[int] = (), prompt_cache=None, prefill_step_size: int = 2048
+    model, prompt: list[int], max_tokens: int, eos: Iterable[int] = (), prompt_cache=None, prefill_step_size: int = 2048,
+    logits_processors=None,
 ) -> list[int]:
     """mlx-lm's own greedy decoding, stopped the way dflash stops (EOS not emitted).
 
@@ -28,7 +29,8 @@ def plain_greedy(
     eos = set(eos)
     out: list[int] = []
     steps = generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=prompt_cache, prefill_step_size=prefill_step_size,
+        logits_processors=logits_processors,
     )
     for token, _ in steps:
         token = int(token)

@@ -104,7 +104,10 @@ def test_prompt_longer_than_the_model(models_dir):
     base = ["generate", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "--no-chat-template"]
     _one_error_line(_run(*base, "-p", "a " * 5000, "-m", "4"), "at most 4096 positions")
     result = _run(*base, "-p", "a " * 4090, "-m", "20", "--json")
-    assert result.exit_code == 0 and "runs past the model's 4096 positions" in result.stderr
+    out = json.loads(result.stdout)
+    left = 4096 - out["prompt_tokens"]
+    assert result.exit_code == 0 and f"leaves {left} of the model's 4096 positions" in result.stderr
+    assert out["finish_reason"] == "length" and len(out["tokens"]) == left < 20  # stopped at the end of the context
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**64)])

@@ -94,16 +94,18 @@ def test_a_target_without_tokenizer_files_says_so_whole(models_dir, tmp_path):
     _one_error(result, "has no tokenizer", "tokenizer.json", "copy the tokenizer files")
 
 
-def test_ctrl_c_during_generate_json_keeps_what_was_generated(models_dir):
-    """The JSON of the tokens so far, marked interrupted, and a statistics line; exit 130."""
+@pytest.mark.parametrize("sent,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_during_generate_json_keeps_what_was_generated(models_dir, sent, code):
+    """The JSON of the tokens so far, marked interrupted, and a statistics line; exit 130 after Ctrl-C, 143 after
+    SIGTERM (a supervisor or `timeout` stopping it: the figures used to be lost with it)."""
     args = [str(CLI), "generate", str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "-p", "hi",
             "-m", "100000", "--json"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_sigint)
     time.sleep(8)  # loaded (a few seconds here) and decoding
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sent)
     out, err = finish(proc, 60)
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == code and "Traceback" not in err, err
     result = json.loads(out)
     assert result["interrupted"] and result["finish_reason"] == "interrupted" and len(result["tokens"]) > 10
     assert "interrupted" in err.splitlines()[-1] and f"generated {len(result['tokens'])} tok" in err

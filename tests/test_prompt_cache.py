@@ -403,3 +403,35 @@ def test_the_server_alternates_conversations_and_survives_a_restart(layouts, tmp
     finally:
         proc.send_signal(2)
         finish(proc, 60)
+
+
+def test_a_cache_of_an_adapted_target_is_not_the_bare_targets(models_dir, tmp_path):
+    """A LoRA adapter changes the target's states: the fingerprint follows the adapter's files."""
+    from dflash_mlx import fixtures, load
+
+    adapters = [fixtures.write_lora_adapter(tmp_path / f"a{seed}", models_dir / "qwen3", seed=seed) for seed in (0, 1)]
+    bare = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"))
+    prints = [fingerprint(bare[0], bare[1], None, 0, BLOCK)]
+    for adapter in adapters:
+        target, drafter, _ = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"), adapter_path=str(adapter))
+        prints.append(fingerprint(target, drafter, None, 0, BLOCK))
+    assert len(set(prints)) == 3
+
+
+def test_a_long_reason_is_cut_at_a_word(layouts, tmp_path):
+    """A damaged file's reason, when mlx's error is long, is cut at a word with ' ...', never in the middle."""
+    pair = layouts["full"]
+    store = _store(pair, tmp_path)
+    _ask(pair, store, _conversation("A", 1, {}))
+    store.close()
+    [path] = list(store.directory.glob("*.safetensors"))
+    _damaged(path, "truncated")
+    try:
+        mx.load(str(path))
+    except Exception as e:  # noqa: BLE001
+        whole = " ".join(str(e).split())
+    with pytest.raises(ValueError) as raised:
+        read_state(path, store.fingerprint)
+    reason = str(raised.value).removeprefix("unreadable (").removesuffix(")")
+    assert len(whole) > 120  # mlx's message is long enough to be cut
+    assert reason.endswith(" ...") and (whole + " ").startswith(reason.removesuffix(" ...") + " "), reason

@@ -123,3 +123,22 @@ def test_exit_codes_and_overall_speedup():
     assert result(tie, bug).exit_code == EXIT_DIVERGED
     # Decode time summed: plain 0.8 + 0.8 s, DFlash 0.2 + 0.4 s.
     assert result(None, None).speedup == pytest.approx(1.6 / 0.6)
+    # A reply that loops is left out of the speedup, as bench leaves it out; all of them: no speedup to claim.
+    looped = result(None, None)
+    looped.prompts[0].looping = True
+    assert looped.speedup == pytest.approx(0.8 / 0.4)
+    looped.prompts[1].looping = True
+    assert looped.speedup is None
+
+
+def test_a_pair_whose_replies_loop_is_flagged(looping_dir, monkeypatch, tmp_path):
+    """The looping pair's replies are loops: each is flagged, and the speedup leaves them out instead of
+    claiming what the loop gave."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["doctor", "--selftest", str(looping_dir / "random"), "--target",
+                                      str(looping_dir / "target"), "-m", "64"])
+    assert "Traceback" not in result.output
+    flagged = [line for line in _prompt_lines(result.stdout).values() if "(degenerate loop)" in line]
+    [speedup] = [line for line in result.stdout.splitlines() if line.startswith("speedup")]
+    assert flagged, result.stdout
+    assert ("n/a" in speedup) if len(flagged) == 3 else (f"{len(flagged)} looping replies left out" in speedup)

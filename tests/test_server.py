@@ -211,6 +211,13 @@ def test_multi_turn_reuses_the_cache(client):
     (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1e400}', 400, None),
     (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "temperature": NaN}', 400, None),
     (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "top_p": -Infinity}', 400, None),
+    # logits processors: mlx-lm's fields, checked
+    (json.dumps({"model": "x", "messages": MESSAGES, "logit_bias": {"999999": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "logit_bias": {"x": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "repetition_penalty": -1}).encode(), 400, "repetition_penalty"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "presence_context_size": 1.5}).encode(), 400,
+     "presence_context_size"),
+    (json.dumps({"model": "x", "messages": MESSAGES, "xtc_probability": 0.5}).encode(), 400, "xtc_probability"),
     # what must be refused rather than guessed at
     (json.dumps({"model": "x", "messages": [{"role": "user"}]}).encode(), 400, "messages"),
     (json.dumps({"model": "x", "messages": MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
@@ -223,6 +230,33 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, b
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
     assert client.completions.create(model="any", prompt="hello", max_tokens=3, temperature=0).choices[0].text is not None
+
+
+def test_penalties_and_bias_are_mlx_lms_in_every_api(server, client, pairs):
+    """repetition/presence/frequency penalties and logit bias, as mlx-lm's server reads them: the reply is mlx-lm's
+    greedy one with the same processors, through OpenAI's chat API, Anthropic's and the Responses API alike."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    target, _, tokenizer = pairs["qwen3"]
+    fields = {"repetition_penalty": 1.6, "repetition_context_size": 6, "presence_penalty": 0.4,
+              "frequency_penalty": 0.2, "logit_bias": {"9": 2.5}}
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    processors = make_logits_processors(logit_bias={9: 2.5}, repetition_penalty=1.6, repetition_context_size=6,
+                                        presence_penalty=0.4, frequency_penalty=0.2)
+    ref = plain_greedy(target.model, ids, 24, eos=tokenizer.eos_token_ids, logits_processors=processors)
+    assert ref != plain_greedy(target.model, ids, 24, eos=tokenizer.eos_token_ids)
+    chat = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=24, temperature=0,
+                                          presence_penalty=0.4, frequency_penalty=0.2, logit_bias={"9": 2.5},
+                                          extra_body={k: fields[k] for k in ("repetition_penalty",
+                                                                             "repetition_context_size")})
+    assert chat.choices[0].message.content == tokenizer.decode(ref)
+    headers = {"Authorization": f"Bearer {KEY}", "x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    messages = httpx.post(f"{server}/v1/messages", headers=headers, timeout=60, json={
+        "model": "any", "messages": MESSAGES, "max_tokens": 24, "temperature": 0, **fields}).json()
+    responses = httpx.post(f"{server}/v1/responses", headers=headers, timeout=60, json={
+        "model": "any", "input": MESSAGES, "max_output_tokens": 24, "temperature": 0, **fields}).json()
+    assert "".join(b["text"] for b in messages["content"] if b["type"] == "text") == tokenizer.decode(ref)
+    assert responses["output"][-1]["content"][0]["text"] == tokenizer.decode(ref)
 
 
 def test_api_key_is_required(server):
@@ -304,5 +338,29 @@ def test_a_client_that_leaves_during_prefill_stops_it(models_dir, pairs):
         out = httpx.post(f"{url}/v1/completions", json={"prompt": ids[:10], "max_tokens": 3, "temperature": 0},
                          timeout=60)
         assert out.status_code == 200
+    finally:
+        _ctrl_c(proc, url)
+
+
+def test_chat_template_args_are_defaults_that_requests_override(models_dir, tmp_path, pairs):
+    """serve --chat-template-args gives every chat request's template its arguments; a request's own
+    chat_template_kwargs add to or override them, as mlx-lm's server does."""
+    from test_cli import GREETING_TEMPLATE
+
+    _, _, tokenizer = pairs["qwen3"]
+    template = tmp_path / "greeting.jinja"
+    template.write_text(GREETING_TEMPLATE)
+    proc, url = _start(models_dir, "--chat-template", str(template), "--chat-template-args", '{"greeting": "Ahoy, "}')
+    try:
+        def prompt_tokens(**extra) -> int:
+            body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["usage"]["prompt_tokens"]
+
+        def expected(greeting: str) -> int:
+            return len(tokenizer.encode(greeting + "hi"))
+
+        assert prompt_tokens() == expected("Ahoy, ")
+        assert prompt_tokens(chat_template_kwargs={"greeting": "Good morning to all of you, "}) == expected(
+            "Good morning to all of you, ")
     finally:
         _ctrl_c(proc, url)

@@ -21,8 +21,8 @@ import uuid
 from typing import Any, Optional
 
 from ..replies import ToolCall
-from .request import (APIError, Blocks, Completion, Dialect, Event, Model, budget, chat_ids, flag, number, sampling,
-                      stops, text_only, tool_choice)
+from .request import (APIError, Blocks, Completion, Dialect, Event, Model, budget, chat_ids, flag, number, processing,
+                      sampling, stops, text_only, tool_choice)
 
 SIGNATURE = "dflash-mlx"  # a thinking block's signature: clients require one; this server never checks it
 STOP_SEQUENCES = 64  # the most a request may give
@@ -141,7 +141,7 @@ def _thinking(body: dict) -> tuple[Optional[bool], bool]:
     return kind != "disabled", display != "omitted"
 
 
-def prompt(body: Any, tokenizer: Any) -> tuple[list[int], list[dict[str, Any]]]:
+def prompt(body: Any, model: Model) -> tuple[list[int], list[dict[str, Any]]]:
     """The token ids of a Messages (or count_tokens) request, and the tools it offers."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -152,12 +152,12 @@ def prompt(body: Any, tokenizer: Any) -> tuple[list[int], list[dict[str, Any]]]:
     if body.get("system"):
         turns.insert(0, {"role": "system", "content": _text_blocks(body["system"], "system")})
     tools = _tools(body)
-    return chat_ids(tokenizer, turns, tools, _thinking(body)[0], {}, "messages"), tools
+    return chat_ids(model.tokenizer, turns, tools, _thinking(body)[0], model.defaults.template_args, "messages"), tools
 
 
 def parse(body: Any, model: Model) -> Completion:
     """Check a Messages request the way Anthropic's API does; render and tokenize its conversation."""
-    ids, tools = prompt(body, model.tokenizer)
+    ids, tools = prompt(body, model)
     if body.get("max_tokens") is None:
         raise APIError(400, "max_tokens: field required", "max_tokens")
     max_tokens = budget(model.target, ids, body["max_tokens"], model.defaults, "max_tokens")
@@ -165,7 +165,8 @@ def parse(body: Any, model: Model) -> Completion:
     number(body, "temperature", 0.0, float, 0.0, 1.0)  # Anthropic's range
     return Completion(ids, max_tokens, settings, stops(body.get("stop_sequences"), "stop_sequences", STOP_SEQUENCES),
                       flag(body, "stream"), chat=True, tools=tools, context=model.target.max_positions,
-                      shape={"show_thinking": _thinking(body)[1]})
+                      shape={"show_thinking": _thinking(body)[1]},
+                      processing=processing(body, model.target.vocab_size))
 
 
 def _usage(done: dict[str, Any], output: bool = True) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class BatchRunner:
         engine.store.prepare(c.ids, cache)
         try:
             request = setup(engine.target, engine.drafter, engine.tokenizer, c.ids, max_tokens=c.max_tokens,
-                            cache=cache, stop=c.stop, logprobs=c.logprobs, **engine.options, **c.sampling)
+                            cache=cache, stop=c.stop, logprobs=c.logprobs, **engine.options, **c.settings())
         except DFlashError as e:
             job.report("error", APIError(400, str(e)))
             return

@@ -165,7 +165,7 @@ class Engine:
         started = time.perf_counter()
         responses = stream_generate(
             self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, cache=self.cache, stop=c.stop,
-            logprobs=c.logprobs, prompt_progress_callback=prefilling, **self.options, **c.sampling,
+            logprobs=c.logprobs, prompt_progress_callback=prefilling, **self.options, **c.settings(),
         )
         seen: list[GenerationResponse] = []
         ttft = 0.0

@@ -16,14 +16,15 @@ from typing import Any, Optional
 from ..generate import encode_prompt
 from ..replies import Reply, ToolCall
 from .request import (TOP_LOGPROBS, APIError, Completion, Dialect, Event, Model, budget, chat_ids, flag, number,
-                      sampling, stops, text_only, thinking_from_effort, tool_choice)
+                      processing, sampling, stops, text_only, thinking_from_effort, tool_choice)
 
 # Parameters that would change the answer and that this server does not implement: refused, never ignored.
 UNSUPPORTED = {
-    "logit_bias": lambda v: bool(v), "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0), "response_format": lambda v: v not in (None, {"type": "text"}),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
     "best_of": lambda v: v not in (None, 1), "echo": lambda v: bool(v), "suffix": lambda v: v not in (None, ""),
     "n": lambda v: v not in (None, 1), "functions": lambda v: bool(v), "function_call": lambda v: v not in (None, "none"),
+    # mlx-lm's server reads these too
+    "xtc_probability": lambda v: v not in (None, 0, 0.0), "adapters": lambda v: bool(v), "role_mapping": lambda v: bool(v),
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -139,7 +140,8 @@ def parse(body: Any, chat: bool, model: Model) -> Completion:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise APIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
-        ids = chat_ids(tokenizer, turns, tools, _thinking(body, kwargs), kwargs, "messages")
+        ids = chat_ids(tokenizer, turns, tools, _thinking(body, kwargs), {**model.defaults.template_args, **kwargs},
+                       "messages")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -154,7 +156,8 @@ def parse(body: Any, chat: bool, model: Model) -> Completion:
                         "max_tokens")
     stream, include_usage = _stream_options(body)
     return Completion(ids, max_tokens, sampling(body, model.defaults), stops(body.get("stop"), "stop", most=4),
-                      stream, include_usage, chat, tools, _logprobs(body, chat), target.max_positions)
+                      stream, include_usage, chat, tools, _logprobs(body, chat), target.max_positions,
+                      processing=processing(body, target.vocab_size))
 
 
 def usage(done: dict[str, Any]) -> dict[str, Any]:

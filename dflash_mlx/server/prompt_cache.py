@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +128,7 @@ class PromptCache:
             try:
                 cache.restore(state)
             except Exception as e:  # noqa: BLE001 (whatever a file that passed its checks still holds wrong)
-                log.warning("prompt cache: dropping %s: %s", entry.path or "an entry", " ".join(str(e).split())[:200])
+                log.warning("prompt cache: dropping %s: %s", entry.path or "an entry", textwrap.shorten(str(e), 200, placeholder=" ..."))
                 self._drop(entry)  # else every request sharing its prefix would fail on it again
                 cache.reset()  # a restore that failed half-way leaves caches nobody can vouch for
                 held = 0

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
+from mlx_lm.sample_utils import make_logits_processors
+
 from ..chat_template import fold_system, has_chat_template, render
 from ..errors import DFlashError
 from ..replies import Reply, ToolCall
@@ -54,9 +56,20 @@ class Completion:
     logprobs: Optional[int] = None  # alternatives per token to report (0: the token's own only); None: none
     context: Optional[int] = None  # the model's positions: a reply that reaches them ran out of context
     shape: dict[str, Any] = field(default_factory=dict)  # the dialect's own settings for its answer
+    processing: dict[str, Any] = field(default_factory=dict)  # mlx-lm's logits processors' settings (``processing``)
 
     # What travels to the other ranks of a sharded target: what decides the tokens.
-    SHARED = ("ids", "max_tokens", "sampling", "stop", "logprobs")
+    SHARED = ("ids", "max_tokens", "sampling", "stop", "logprobs", "processing")
+
+    def settings(self) -> dict[str, Any]:
+        """What ``stream_generate`` takes of this request: its sampling, and mlx-lm's logits processors made from
+        its settings (a logit bias's token ids are strings once they have travelled as JSON)."""
+        if not self.processing:
+            return dict(self.sampling)
+        spec = dict(self.processing)
+        if "logit_bias" in spec:
+            spec["logit_bias"] = {int(k): v for k, v in spec["logit_bias"].items()}
+        return {**self.sampling, "logits_processors": make_logits_processors(**spec)}
 
     def shared(self) -> bytes:
         return json.dumps({k: getattr(self, k) for k in self.SHARED}).encode()
@@ -80,6 +93,7 @@ class Defaults:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int = 4096
+    template_args: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs that requests add to or override
 
 
 class Model(Protocol):
@@ -186,6 +200,34 @@ def sampling(body: dict, defaults: Defaults, top_p_name: str = "top_p") -> dict[
     if settings["top_p"] == 0.0:
         raise APIError(400, f"{top_p_name} must be above 0", top_p_name)
     checked(lambda: Sampling(**settings), "seed")  # the one check that number() does not make
+    return settings
+
+
+# mlx-lm's server's fields for its logits processors (make_logits_processors' arguments): (kind, low, high).
+PROCESSING = {
+    "repetition_penalty": (float, 0.0, 1e6), "repetition_context_size": (int, 0, 2**31),
+    "presence_penalty": (float, -1e6, 1e6), "presence_context_size": (int, 0, 2**31),
+    "frequency_penalty": (float, -1e6, 1e6), "frequency_context_size": (int, 0, 2**31),
+}
+
+
+def processing(body: dict, vocab_size: int) -> dict[str, Any]:
+    """Penalties and logit bias as mlx-lm's server reads them, checked: each applied at every verified position."""
+    settings = {name: number(body, name, None, *spec) for name, spec in PROCESSING.items() if body.get(name) is not None}
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise APIError(400, "logit_bias must map token ids to numbers", "logit_bias")
+        try:
+            settings["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise APIError(400, "logit_bias must map token ids to numbers", "logit_bias") from None
+        for token, value in settings["logit_bias"].items():
+            if not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias: token {token} is outside the vocabulary (0-{vocab_size - 1})",
+                               "logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias: {value} for token {token} is outside -100 to 100", "logit_bias")
     return settings
 
 

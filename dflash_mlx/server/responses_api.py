@@ -24,8 +24,8 @@ import uuid
 from typing import Any, Optional
 
 from ..replies import ToolCall
-from .request import (APIError, Blocks, Completion, Dialect, Event, Model, budget, chat_ids, flag, sampling, text_only,
-                      thinking_from_effort, tool_choice)
+from .request import (APIError, Blocks, Completion, Dialect, Event, Model, budget, chat_ids, flag, processing, sampling,
+                      text_only, thinking_from_effort, tool_choice)
 
 log = logging.getLogger("dflash_mlx.serve")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -187,7 +187,7 @@ def parse(body: Any, model: Model) -> Completion:
     if not isinstance(reasoning, dict):
         raise APIError(400, "reasoning must be an object", "reasoning")
     thinking = thinking_from_effort(reasoning.get("effort"), "reasoning.effort")
-    ids = chat_ids(model.tokenizer, messages, tools, thinking, {}, "input")
+    ids = chat_ids(model.tokenizer, messages, tools, thinking, model.defaults.template_args, "input")
     max_tokens = budget(model.target, ids, body.get("max_output_tokens"), model.defaults, "max_output_tokens")
     echo = {"instructions": instructions, "tool_choice": body.get("tool_choice") or "auto",
             "tools": body.get("tools") or [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -196,7 +196,8 @@ def parse(body: Any, model: Model) -> Completion:
     return Completion(ids, max_tokens, sampling(body, model.defaults), [], flag(body, "stream"), chat=True,
                       tools=tools, context=model.target.max_positions,
                       shape={"namespaces": namespaces, "echo": echo, "temperature": body.get("temperature"),
-                             "top_p": body.get("top_p"), "max_output_tokens": body.get("max_output_tokens")})
+                             "top_p": body.get("top_p"), "max_output_tokens": body.get("max_output_tokens")},
+                      processing=processing(body, model.target.vocab_size))
 
 
 def _usage(done: dict[str, Any]) -> dict[str, Any]:

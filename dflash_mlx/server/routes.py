@@ -175,7 +175,7 @@ class Routes:
         started = time.perf_counter()
         try:
             body = await self.read_json(request)
-            ids, _ = await run_in_threadpool(anthropic_api.prompt, body, self.engine.tokenizer)
+            ids, _ = await run_in_threadpool(anthropic_api.prompt, body, self.engine)
         except APIError as e:
             self.logged(request, e.status, started, reason=e.message)
             return self.refusal(anthropic_api.MESSAGES, e)
