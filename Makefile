@@ -25,7 +25,7 @@ chat: $(STAMP)
 pair: $(STAMP)
 	$(PY) bench/build_pair.py
 
-# The same in a couple of minutes, to try the commands with: its target loops, so its figures mean nothing.
+# The same in under a minute, to try the commands with: its target loops, so its figures mean nothing.
 pair-quick: $(STAMP)
 	$(PY) bench/build_pair.py --quick
 

@@ -15,7 +15,7 @@ bundle, bench/.cache/pair-.../bundle, which every command takes alone (`dflash-m
 Training runs for a number of tokens and steps, not minutes, so a busy or slow machine builds the same pair,
 only later (a time budget once built a target that had collapsed into loops). The budgets and what they take on
 2 cores: the defaults, about an hour, build a pair whose figures mean something (held-out tau about 1.8);
-``--quick`` (``make pair-quick``), a couple of minutes, builds one to try the commands with, whose target loops
+``--quick`` (``make pair-quick``), under a minute (37 s), builds one to try the commands with, whose target loops
 and whose figures mean nothing. The bundle is written whatever the verdict, and the verdict says what the pair is
 fit for.
 
@@ -136,7 +136,7 @@ def prompts(files: list[Path], n: int, seed: int) -> list[str]:
     return [starts[i] for i in rng.permutation(len(starts))[:n]]
 
 
-# ``--quick``: budgets of a couple of minutes on 2 cores, for trying the commands (the target loops).
+# ``--quick``: budgets of under a minute on 2 cores, for trying the commands (the target loops).
 QUICK = {"target_tokens": 120_000, "draft_steps": 60, "hidden": 128, "layers": 2, "vocab": 512, "prompts": 120,
          "max_tokens": 64}
 
