@@ -109,7 +109,7 @@ def print_report(report: dict[str, Any], out: "Console") -> None:
         copy = r["sources"]["copy"]
         copied = f"  copied {copy['accepted']}/{copy['drafted']}" if copy["drafted"] else ""
         out.print(f"  {escape(_label(r))}  {depths_text(r['depth_histogram'])}{copied}{flags}")
-    if summary.get("sources"):
+    if summary.get("sources") and summary["prompts"] > summary["flagged"]:
         over = (f" over the {summary['prompts'] - summary['flagged']} prompts not flagged" if summary["flagged"]
                 else "")
         out.print(f"drafted (accepted) tokens by source{over}: " + ", ".join(
