@@ -223,6 +223,8 @@ ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")  # what mlx-lm's
 
 def check_adapter(path: Path) -> None:
     """An mlx-lm LoRA adapter folder (``mlx_lm.lora``'s output), or a one-line error."""
+    if path.is_file():
+        raise DFlashError(f"adapter path {path} is a file; expected the folder mlx_lm.lora wrote its adapters to")
     if not path.is_dir():
         raise DFlashError(f"adapter path {path}: no such folder")
     missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]

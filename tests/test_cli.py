@@ -91,6 +91,8 @@ def test_a_lora_adapter_is_applied_to_the_target(pairs, models_dir, tmp_path):
     assert json.loads(result.stdout)["tokens"] == ref != plain_greedy(target.model, ids, 24, eos=tokenizer.eos_token_ids)
     bad = CliRunner().invoke(app, _args(models_dir, "-p", "Hi", "--adapter-path", str(tmp_path)))
     assert bad.exit_code != 0 and "has no adapter_config.json" in bad.output and "Traceback" not in bad.output
+    a_file = CliRunner().invoke(app, _args(models_dir, "-p", "Hi", "--adapter-path", str(adapter / "adapters.safetensors")))
+    assert a_file.exit_code == 2 and "is a file; expected the folder" in a_file.output
 
 
 GREETING_TEMPLATE = "{{ greeting | default('') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from ..chat_template import fold_system, has_chat_template, render
 from ..errors import DFlashError
+from ..generate import check_context
 from ..replies import Reply, ToolCall
 from ..sampling import Sampling
 from ..stops import stop_list
@@ -290,11 +291,10 @@ def budget(target: Any, ids: list[int], requested: Any, defaults: Defaults, para
     Agents ask for more than a local model holds (Claude Code 128,000, Qwen Code 32,000):
     the reply stops where the context ends instead of being refused up front.
     """
-    limit = target.max_positions or 2**31
-    if len(ids) >= limit:
-        raise too_long(len(ids), limit)
-    left = limit - len(ids)
-    return min(number({param: requested}, param, min(defaults.max_tokens, left), int, 1, 2**63), left)
+    if target.max_positions is not None and len(ids) >= target.max_positions:
+        raise too_long(len(ids), target.max_positions)
+    wanted = number({param: requested}, param, defaults.max_tokens, int, 1, 2**63)
+    return check_context(target.max_positions, len(ids), wanted)  # the library's one rule: stop where the context ends
 
 
 def text_only(part: Any, where: str) -> None:
