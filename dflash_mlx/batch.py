@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -67,9 +67,9 @@ class RaggedKVCache(_BaseCache):
         self.lengths: list[int] = []
 
     @property
-    def offset(self) -> mx.array:
-        """Each row's next position: where RoPE puts its new tokens."""
-        return mx.array(self.lengths)
+    def offset(self) -> Any:
+        """Each row's next position: where RoPE puts its new tokens (one row: a number, as a solo cache's)."""
+        return self.lengths[0] if len(self.lengths) == 1 else mx.array(self.lengths)
 
     def _capacity(self, needed: int) -> None:
         if self.keys is not None and needed <= self.keys.shape[2]:
@@ -216,9 +216,12 @@ class BatchPlanner:
 
     def observe(self, deepest: int, seconds: float, tokens: int) -> None:
         """A cycle: the most any row drafted, its seconds, and the tokens all rows got from it. A probe that got
-        more tokens a second than plain cycles are expected to is followed by another at once."""
+        more tokens a second than plain cycles are expected to is followed by another at once. (A plain cycle
+        read after the probe was planned, which pipelining leads to, is not the probe.)"""
         self.costs.update(deepest, seconds)
-        if self._probe_against is not None and tokens / seconds >= self._probe_against:
+        if self._probe_against is None or deepest == 0:
+            return
+        if tokens / seconds >= self._probe_against:
             self._wait, self._backoff = 0, self.min_probe
         self._probe_against = None
 
@@ -235,15 +238,18 @@ class BatchPlanner:
         return out
 
 
-class BatchCycle(NamedTuple):
+@dataclass
+class BatchCycle:
     """A batch cycle the device is computing: its rows (as they were), each row's verdict, when it started, whether
-    the planner chose its depth, and the most any row drafted."""
+    the planner chose its depth, the most any row drafted, and whether its rows committed it already (a plain
+    cycle: every row keeps its one input whatever the device answers)."""
 
     rows: list[Row]
     verdicts: list[InFlight]
     started: float
     planned: bool
     deepest: int
+    committed: bool = False
 
 
 class Batch:
@@ -255,6 +261,8 @@ class Batch:
         self.rows: list[Row] = []
         self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
         self.planner = BatchPlanner()
+        self._planned: Optional[tuple[list[Row], list[Plan]]] = None  # the next cycle's plans, made ahead of it
+        self._read_at = time.perf_counter()  # when the last cycle was read: a cycle started before waits from there
 
     @staticmethod
     def fits(target: Target, cache: DFlashCache) -> bool:
@@ -286,22 +294,48 @@ class Batch:
         del self.rows[i]
         self._places = {id(r): j for j, r in enumerate(self.rows)}
 
+    def _plans(self, ahead: int = 0) -> list[Plan]:
+        """Every row's plan for its next cycle, ``ahead`` tokens after what it has emitted (one: after the plain
+        cycle in flight)."""
+        plans = [row.plan(row.emitted + ahead) for row in self.rows]
+        if len(self.rows) == 1:  # a row alone: its own policy is the whole story
+            return plans
+        chosen = self.planner.plans([row.policy for row in self.rows], plans)
+        return [row.capped(plan, row.emitted + ahead) for row, plan in zip(self.rows, chosen)]
+
     def start(self) -> BatchCycle:
         """Build one draft-verify cycle for every row and start evaluating it (rows must not join or leave until
         ``finish``).
 
         Blocks of different depths are padded at their end: a padding position comes after
         every real one of its row, so no real position attends to it, and the row's commit
-        drops it with the rejected drafts.
+        drops it with the rejected drafts. A cycle where no row drafts is committed at once,
+        unless a row reaches its budget in it, so that ``follow`` can start the next.
         """
+        planned = self._planned
+        plans = planned[1] if planned is not None and planned[0] == self.rows else self._plans()
+        self._planned = None
+        cycle = self._start(plans, [(row.last, row.last_id) for row in self.rows])
+        if self._plain(cycle):
+            self._commit(cycle, cycle.rows)
+        return cycle
+
+    def follow(self, cycle: BatchCycle) -> Optional[BatchCycle]:
+        """The cycle after ``cycle``, started before ``cycle`` is read, where that is safe: ``cycle`` committed
+        already and no row drafts in the next (its input is then ``cycle``'s token, still lazy), as the solo loop
+        pipelines its plain steps. Otherwise None; the plans made stay for the next ``start``."""
+        if not cycle.committed or cycle.rows != self.rows:
+            return None
+        plans = self._plans(ahead=1)
+        if any(plan != Plan(0) for plan in plans):
+            self._planned = (list(self.rows), plans)
+            return None
+        return self._start(plans, [(v.target_tokens, None) for v in cycle.verdicts])
+
+    def _start(self, plans: Sequence[Plan], inputs: Sequence[tuple[mx.array, Optional[int]]]) -> BatchCycle:
         started = time.perf_counter()
-        planned = len(self.rows) > 1  # a row alone: its own policy is the whole story
-        plans = [row.plan() for row in self.rows]
-        if planned:
-            plans = [row.capped(plan) for row, plan in
-                     zip(self.rows, self.planner.plans([row.policy for row in self.rows], plans))]
         with mx.stream(generation_stream):
-            drafted = [row.draft(plan, row.last, row.last_id) for row, plan in zip(self.rows, plans)]
+            drafted = [row.draft(plan, last, last_id) for row, plan, (last, last_id) in zip(self.rows, plans, inputs)]
             n = max(d.block.shape[0] for d in drafted)
             blocks = mx.stack([mx.pad(d.block, (0, n - d.block.shape[0])) for d in drafted])
             logits, features = self.target(blocks, self.layers)
@@ -310,21 +344,44 @@ class Batch:
                 for i, (row, d) in enumerate(zip(self.rows, drafted))
             ]
         mx.async_eval([c.arrays() for c in cycles], [d.absorbed for d in drafted])
-        return BatchCycle(list(self.rows), cycles, started, planned, n - 1)
+        return BatchCycle(list(self.rows), cycles, started, len(self.rows) > 1, n - 1)
 
-    def finish(self, cycle: BatchCycle, dropped: Sequence[Row] = ()) -> list[Optional[Emitted]]:
+    @staticmethod
+    def _plain(cycle: BatchCycle, rows: Optional[Sequence[Row]] = None) -> bool:
+        """Whether no row drafts in ``cycle`` and none of ``rows`` (all) reaches its budget in it."""
+        rows = cycle.rows if rows is None else rows
+        return all(v.proposal is None for v in cycle.verdicts) and all(r.emitted + 1 < r.max_tokens for r in rows)
+
+    @staticmethod
+    def _commit(cycle: BatchCycle, rows: Sequence[Row]) -> None:
+        """Commit a plain cycle's one input on ``rows`` before it is read."""
+        for row, verdict in zip(cycle.rows, cycle.verdicts):
+            if any(row is r for r in rows):
+                row.cache.commit([row.last_id], verdict.features)
+        cycle.committed = True
+
+    def finish(self, cycle: BatchCycle, dropped: Sequence[Row] = (), then: Optional[BatchCycle] = None
+               ) -> list[Optional[Emitted]]:
         """Read a started cycle and commit every row's part, but for the ``dropped`` rows (a stop string or a client
-        gone meanwhile), whose part is undone as an abandoned solo cycle's is: None in their place."""
+        gone meanwhile), whose part is undone as an abandoned solo cycle's is: None in their place. ``then``: the
+        cycle ``follow`` started after it, committed here on the rows that go on (their input is now known) unless
+        one reaches its budget in it; a row that ended here is dropped from it."""
         out: list[Optional[Emitted]] = []
         for row, verdict in zip(cycle.rows, cycle.verdicts):
             if any(row is r for r in dropped):
                 row.cache.abandon()
                 out.append(None)
             else:
-                out.append(row.finish(verdict, cycle.started))
+                out.append(row.finish(verdict, cycle.started, committed=cycle.committed))
+        now = time.perf_counter()
         if cycle.planned:
             tokens = sum(e.accepted + 1 for e in out if e is not None)
-            self.planner.observe(cycle.deepest, time.perf_counter() - cycle.started, tokens)
+            self.planner.observe(cycle.deepest, now - max(cycle.started, self._read_at), tokens)
+        self._read_at = now
+        if then is not None:
+            going = [row for row, e in zip(cycle.rows, out) if e is not None and e.reason is None]
+            if self._plain(then, going):
+                self._commit(then, going)
         return out
 
     def cycle(self) -> list[Emitted]:
@@ -335,6 +392,15 @@ class Batch:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+
+
+def own_policy(row: Row) -> Callable[[], None]:
+    """Give ``row`` a copy of its policy, shared by the generations of its pair and settings: in a batch a row's
+    depth and copies follow its own text. The call returned hands what the row learned (the machine's costs, the
+    acceptance) back to the shared policy once the row ends, as one generation's policy carries over to the next."""
+    shared = row.policy
+    row.policy = copy.deepcopy(shared)
+    return lambda: vars(shared).update(vars(row.policy))
 
 
 def batch_generate(
@@ -355,8 +421,7 @@ def batch_generate(
         return []
     if not Batch.fits(target, requests[0].row.cache):
         return [_run_alone(target, r) for r in requests]
-    for request in requests:  # a row's depth and copies follow its own text; the machine's costs carry over
-        request.row.policy = copy.deepcopy(request.row.policy)
+    handbacks = [own_policy(request.row) for request in requests]
     seen: dict[int, list[GenerationResponse]] = {id(r.row): [] for r in requests}
     by_row = {id(r.row): r for r in requests}
     batch = Batch(target)
@@ -374,16 +439,26 @@ def batch_generate(
                               lambda done, total: None)
             if not answered(request, row.first(logits)):
                 batch.join(row)
-        while batch.rows:
-            for row, cycle in zip(list(batch.rows), batch.cycle()):
-                if answered(by_row[id(row)], cycle):
+        cycle, ended = (batch.start() if batch.rows else None), []
+        while cycle is not None:  # a plain cycle's successor starts before it is read, as the solo loop's does
+            ahead = None if ended else batch.follow(cycle)
+            out = batch.finish(cycle, ended, then=ahead)
+            for row in ended:
+                batch.leave(row)
+            ended = [row for row, e in zip(cycle.rows, out) if e is not None and answered(by_row[id(row)], e)]
+            if ahead is None:
+                for row in ended:
                     batch.leave(row)
+                cycle, ended = (batch.start() if batch.rows else None), []
+            else:
+                cycle = ahead
     finally:
         for row in list(batch.rows):
             batch.leave(row)
-        for request in requests:
+        for request, handback in zip(requests, handbacks):
             if request.row.cache.holds_lease(request.row.lease):
                 request.row.cache.abandon()
+            handback()
         mx.clear_cache()
     return [GenerationResult.from_responses(seen[id(r.row)]) for r in requests]
 

@@ -190,6 +190,42 @@ def test_the_planner_drafts_the_depth_that_pays_for_the_batch_and_probes_on_a_ba
     assert np.mean(got) >= 0.97 and min(got) >= 0.93, chosen[-20:]
 
 
+class MostlyPlain(ByLength):
+    """Plain steps, but a 3-token draft where the history's length is a multiple of 7: cycles where every row is plain
+    (pipelined) alternate with cycles where some row drafts."""
+
+    def plan(self, history) -> Plan:
+        return Plan(3 if len(history) % 7 == 0 else 0)
+
+
+def test_pipelined_plain_cycles_stay_exact_as_rows_end_in_them(pairs, monkeypatch):
+    """A plain cycle's successor starts before it is read; rows that end meanwhile (EOS, a stop string, the budget)
+    are dropped from the successor, the others commit it: every row gets what it gets alone."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    followed = []
+    follow = Batch.follow
+    monkeypatch.setattr(Batch, "follow", lambda self, cycle: followed.append(follow(self, cycle)) or followed[-1])
+    first = generate(target, drafter, tokenizer, MANY[1], max_tokens=MAX_TOKENS, eos_token_ids=[], policy=MostlyPlain())
+    eos, stop = [first.tokens[12]], tokenizer.decode(first.tokens[20:22])
+    settings = dict(max_tokens=MAX_TOKENS, eos_token_ids=eos, stop=[stop], policy=MostlyPlain())
+    results = batch_generate(target, drafter, tokenizer, MANY, **settings)
+    alone = [generate(target, drafter, tokenizer, prompt, **settings) for prompt in MANY]
+    assert [r.tokens for r in results] == [r.tokens for r in alone]
+    assert [r.text for r in results] == [r.text for r in alone]
+    assert len({len(r.tokens) for r in alone}) > 2  # rows ended at different cycles
+    assert sum(c is not None for c in followed) > 10
+
+
+def test_what_the_rows_learned_carries_over_to_the_next_generation(pairs):
+    """Each row decodes with a copy of the shared policy; when it ends, what it measured goes back, as a solo
+    generation's policy carries over: the next request does not warm up again."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    policy = AdaptiveDepth(15)
+    assert not policy.costs.ready
+    batch_generate(target, drafter, tokenizer, PROMPTS, max_tokens=40, eos_token_ids=[], policy=policy)
+    assert policy.costs.ready
+
+
 def test_a_batch_decodes_plainly_where_its_drafts_do_not_pay(pairs):
     """The random drafter never agrees: the batch's cycles go plain, and every row's output is still exact."""
     target, drafter, tokenizer = pairs["qwen3"]

@@ -13,7 +13,6 @@ Every row decodes exactly as it would alone.
 
 from __future__ import annotations
 
-import copy
 import logging
 import queue
 import time
@@ -23,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from ..batch import Batch, BatchCycle
+from ..batch import Batch, BatchCycle, own_policy
 from ..caches import make_cache
 from ..errors import DFlashError
 from ..generate import Emitted, Request, prefill_steps, setup
@@ -43,6 +42,7 @@ class Active:
     started: float
     steps: Optional[Iterator[Optional[mx.array]]]  # the prefill's chunks; None once the row decodes
     left: int = 0  # prompt tokens still to prefill
+    handback: Callable[[], None] = lambda: None  # what the row's policy learned, back to the shared one
     seen: list[GenerationResponse] = field(default_factory=list)
     ttft: float = 0.0
 
@@ -70,37 +70,55 @@ class BatchRunner:
 
     def _turn(self) -> None:
         """Read the cycle in flight; rows that ended leave, waiting requests come in (a prefill chunk, a join); start
-        the next cycle; then answer the cycle read while the device computes the next, as the solo loop does."""
-        read = self._read()
+        the next cycle; then answer the cycle read while the device computes the next, as the solo loop does. While
+        the batch decodes plainly and nobody joins or leaves, the next cycle starts before the one in flight is read
+        (``Batch.follow``), as the solo loop pipelines its plain steps."""
+        ahead = self._ahead()
+        read = self._read(ahead)
         for a, cycle in [(a, c) for a, c in read if c.reason is not None]:  # EOS or budget: known before the start
             self._answer(a, cycle)
-            self._finish(a)
+            self._end(a, cancelled=False)
         read = [(a, c) for a, c in read if c.reason is None]
         for a in [a for a in self.active if a.job.cancelled.is_set() and all(a is not b for b, _ in read)]:
-            self._finish(a, cancelled=True)
-        self._admit()
-        self._prefill_one()
-        if self.batch.rows:
-            self.engine.metrics.batch.set(len(self.batch))
-            try:
-                self.flight = self.batch.start()
-            except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
-                self._fail_decoding(e)
+            self._end(a, cancelled=True)
+        if self.flight is None:  # rows join only between cycles
+            self._admit()
+            self._prefill_one()
+            if self.batch.rows:
+                self.engine.metrics.batch.set(len(self.batch))
+                try:
+                    self.flight = self.batch.start()
+                except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
+                    self._fail_decoding(e)
         for a, cycle in read:
             if self._answer(a, cycle) or a.job.cancelled.is_set():  # a stop string, or the client left
                 self._end(a, cancelled=not a.seen[-1].finish_reason)
 
-    def _read(self) -> list[tuple[Active, Emitted]]:
-        """The cycle in flight, read and committed (rows that ended meanwhile: undone, and gone)."""
+    def _ahead(self) -> Optional[BatchCycle]:
+        """The cycle after the one in flight, started before it is read, when nothing waits to join or leave."""
+        if self.flight is None or self.leaving or not self.engine.jobs.empty():
+            return None
+        if any(a.steps is not None or a.job.cancelled.is_set() for a in self.active):
+            return None
+        try:
+            return self.batch.follow(self.flight)
+        except Exception as e:  # noqa: BLE001
+            self._fail_decoding(e)
+            return None
+
+    def _read(self, ahead: Optional[BatchCycle] = None) -> list[tuple[Active, Emitted]]:
+        """The cycle in flight, read and committed (rows that ended meanwhile: undone, and gone); ``ahead`` (started
+        after it) is in flight next."""
         if self.flight is None:
             return []
         flight, self.flight = self.flight, None
         leaving, self.leaving = self.leaving, []
         try:
-            cycles = self.batch.finish(flight, [a.request.row for a, _ in leaving])
+            cycles = self.batch.finish(flight, [a.request.row for a, _ in leaving], then=ahead)
         except Exception as e:  # noqa: BLE001
             self._fail_decoding(e)
             return []
+        self.flight = ahead
         for a, cancelled in leaving:
             self._finish(a, cancelled=cancelled)
         by_row = {id(a.request.row): a for a in self.active}
@@ -149,12 +167,13 @@ class BatchRunner:
             job.report("error", APIError(400, str(e)))
             return
         row = request.row
-        row.policy = copy.deepcopy(row.policy)  # a row's acceptance is its own; the machine's costs carry over
+        handback = own_policy(row)
         row.policy.start()
         job.report("start", {"prompt_tokens": len(c.ids), "cached_tokens": request.reused})
         steps = prefill_steps(engine.target, engine.drafter, cache, request.ids[request.reused :],
                               request.prefill_step_size, lambda done, total: None)
-        self.active.append(Active(job, request, time.perf_counter(), steps, len(request.ids) - request.reused))
+        self.active.append(Active(job, request, time.perf_counter(), steps, len(request.ids) - request.reused,
+                                  handback))
 
     def _prefill_one(self) -> None:
         """One chunk of the prefill with the least left (a short request that joins behind a long prompt starts at
@@ -195,6 +214,7 @@ class BatchRunner:
             self.batch.leave(row)
         if row.cache.holds_lease(row.lease):
             row.cache.abandon()
+        a.handback()
         self.active.remove(a)
         try:
             self.engine.store.keep(row.cache)
