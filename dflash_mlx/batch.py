@@ -227,8 +227,9 @@ class BatchPlanner:
 
     def plans(self, policies: Sequence[Any], plans: Sequence[Plan]) -> list[Plan]:
         """The rows' plans, with every adaptive row drafting the batch's depth from the source it planned. Pinned
-        blocks and seeded rejection sampling (whose draw depends on its depths) draft as they planned."""
-        adaptive = [i for i, policy in enumerate(policies) if isinstance(policy, AdaptiveDepth)]
+        blocks, seeded rejection sampling (whose draw depends on its depths) and a target alone (its rows copy or
+        step plainly, no drafter to pace) draft as they planned."""
+        adaptive = [i for i, policy in enumerate(policies) if isinstance(policy, AdaptiveDepth) and policy.drafter]
         if not adaptive:
             return list(plans)
         k = self.depth([policies[i].expected(plans[i].source) for i in adaptive])

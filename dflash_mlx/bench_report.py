@@ -92,7 +92,8 @@ def print_report(report: dict[str, Any], out: "Console") -> None:
     rows = [[_label(r), str(r["prompt_tokens"]), f"{r['plain']['decode_tps']:.1f}", f"{r['dflash']['decode_tps']:.1f}",
              f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['dflash']['prefill_tps']:.0f}",
              f"{r['dflash']['peak_memory_gb']:.2f}", "yes" if r["flagged"] else ""] for r in records]
-    table = Table(title=f"dflash vs plain decoding — {escape(report['model'])}", box=box.SIMPLE_HEAD, show_edge=False,
+    alone = "" if report.get("drafter", True) else " (no drafter: copy drafts)"
+    table = Table(title=f"dflash{alone} vs plain decoding — {escape(report['model'])}", box=box.SIMPLE_HEAD, show_edge=False,
                   pad_edge=False, collapse_padding=True)
     for i, header in enumerate(headers):
         # Rich shrinks the widest column first and cuts it with "...". Fixed widths fit every cell whole (the

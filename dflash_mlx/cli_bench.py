@@ -72,12 +72,14 @@ def report(model: str, target: Optional[str], dataset: str, drafter: Any, record
            interrupted: bool, options: dict[str, Any], console: Console) -> dict[str, Any]:
     """The report as printed and written: the settings, the figures, and the group with every rank's peak memory."""
     from . import bench
+    from .drafter import NoDrafter
 
     block_size = options["block_size"]
     settings = {"model": model, "target": target, "window": options["window"], "sinks": options["sinks"],
                 "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
                 "draft_source": options["draft_source"], "max_tokens": options["max_tokens"],
-                "temperature": options["temperature"], "repeats": options["repeats"], "dataset": dataset}
+                "temperature": options["temperature"], "repeats": options["repeats"], "dataset": dataset,
+                "drafter": not isinstance(drafter, NoDrafter)}
     result = bench.report(settings, records, planned, interrupted)
     bench.print_report(result, console)
     peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)

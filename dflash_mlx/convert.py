@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import DFlashError
-from .loader import cast_floats, check_pair, check_target_folder, load_drafter, resolve
+from .loader import cast_floats, check_pair, check_target_folder, is_drafter, load_drafter, resolve
 from .registry import MANIFEST, remember_bundle
 from .registry import resolve as registry_resolve
 from .target import Target
@@ -120,6 +120,10 @@ def convert(
         raise DFlashError(f"{out_path} already exists; pass --force to replace it")
     draft, target, _ = registry_resolve(source, target)
     if target is None:
+        local = Path(draft).expanduser()
+        if local.is_dir() and not is_drafter(local):
+            raise DFlashError(f"{source} is a model without a drafter: the commands take it as it is (convert makes "
+                              "drafter + target bundles; `mlx_lm.convert -q` quantizes a model alone)")
         raise DFlashError(f"drafter {source} needs its target: pass --target TARGET")
     draft_path = resolve(draft, "drafter")
     target_path = resolve(target, "target")

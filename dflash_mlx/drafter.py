@@ -14,6 +14,7 @@ layer cannot train differently from how it drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import mlx.core as mx
@@ -360,3 +361,24 @@ class Drafter(nn.Module):
             return Proposal(mx.argmax(logits, axis=-1))
         q = sampling.logprobs(logits)
         return Proposal(mx.random.categorical(q, key=key), q)
+
+
+class NoDrafter:
+    """What stands in for the drafter of a target loaded alone: it never drafts.
+
+    Cycles are plain steps, or copy drafts (the history's own continuation, verified
+    like any draft) where the policy finds they pay; up to ``block_size - 1`` copied
+    tokens a cycle. It holds no weights, no context and no caches.
+    """
+
+    target_layer_ids: list[int] = []  # the target keeps no features for it
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size
+        self.source: Optional[Path] = None  # a saved prompt cache records the drafter it was made with: none
+
+    def make_cache(self, window: Optional[int] = None, sinks: int = 0, block_size: int = 16) -> list[Cache]:
+        return []
+
+    def propose(self, *args: Any, **kwargs: Any) -> Any:
+        raise DFlashError("a target loaded alone has no drafter to draft with; its drafts are copies")

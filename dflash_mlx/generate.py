@@ -30,7 +30,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 
 from .caches import DFlashCache, check_block_size, check_window, make_cache
 from .distributed import shared_seed
-from .drafter import Drafter
+from .drafter import Drafter, NoDrafter
 from .errors import DFlashError
 from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock, Plan, adaptive_policy, check_source
 from .responses import GenerationResponse, GenerationResult
@@ -575,11 +575,15 @@ def _default_policy(
     """Adaptive depth, except where full blocks are asked for or needed: seeded rejection sampling drafts full
     blocks, because adaptive depths would change its draw."""
     reproducible = sampling.seed is not None and not sampling.greedy and not sampling.positional
-    if draft_source == COPY:
+    alone = isinstance(drafter, NoDrafter)
+    if alone and draft_source == DRAFTER:
+        raise DFlashError("this model was loaded alone, without a drafter: --draft-source drafter needs one "
+                          "(pass a DFlash drafter, or use auto or copy)")
+    if draft_source == COPY or (alone and (pinned or reproducible)):
         return FixedBlock(block_size, COPY)
     if pinned or reproducible:
         return FixedBlock(block_size)
-    return adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto")
+    return adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto", drafts=not alone)
 
 
 class _Responder:

@@ -6,7 +6,7 @@ import json
 import re
 import textwrap
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,7 +15,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
 from . import distributed
 from .dflash2 import DFlash2Args, DFlash2Drafter
-from .drafter import Drafter, DrafterArgs
+from .drafter import Drafter, DrafterArgs, NoDrafter
 from .errors import DFlashError, DownloadError
 from .registry import is_bundle
 from .registry import resolve as registry_resolve
@@ -271,13 +271,16 @@ def load_target(
 
 
 def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] = None,
-         adapter_path: Optional[str] = None) -> tuple[Target, Drafter, Any]:
-    """Load a DFlash drafter and its target.
+         adapter_path: Optional[str] = None) -> tuple[Target, Union[Drafter, NoDrafter], Any]:
+    """Load a DFlash drafter and its target, or a target alone.
 
     ``draft`` is a converted bundle folder, a drafter folder, a Hub repo id or a
     registry name (``Qwen3-8B``); ``target`` (a folder or repo id, original or
     already converted/quantized) is needed only where the registry does not know
     the pair, and overrides it otherwise. Returns ``(target, drafter, tokenizer)``.
+    A plain mlx-lm model (a folder or repo id whose config is not a drafter's),
+    without ``target``, loads alone: its drafter is a ``NoDrafter``, and it decodes
+    plainly, with copy drafts where its replies repeat themselves.
     The drafter runs in the target's float dtype, so a bf16 checkpoint drives a
     float32 target without mixed-precision casts. ``chat_template`` (Jinja text)
     replaces the target's chat template, or gives one to a model without.
@@ -290,18 +293,34 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
         draft, target = str(bundle / "draft"), target or str(bundle / "target")
     else:
         draft, target, _ = registry_resolve(draft, target)
-    draft_path = resolve(draft, "drafter")
-    drafter = load_drafter(draft_path)
-    if target is None:
-        raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
+    draft_path = resolve(draft, "drafter" if target is not None else "model")
+    drafter: Union[Drafter, NoDrafter]
+    if target is None and not is_drafter(draft_path):  # a plain model: the target alone
+        drafter, target_path = NoDrafter(), draft_path
+    else:
+        drafter = load_drafter(draft_path)
+        if target is None:
+            raise DFlashError(f"drafter {draft} needs its target: pass --target TARGET (in Python, load's target)")
+        drafter.source, target_path = draft_path, resolve(target, "target")
     group = distributed.group()
-    target_path = resolve(target, "target")
     adapter = None if adapter_path is None else Path(adapter_path).expanduser()
     model, tokenizer = load_target(target_path, group, chat_template, adapter)
     tgt = Target(model, drafter.target_layer_ids, group)
-    tgt.source, tgt.adapter, drafter.source = target_path, adapter, draft_path  # what a saved cache records
-    check_pair(tgt, drafter)
-    dtype = tgt.dtype
-    drafter.update(cast_floats(drafter.parameters(), dtype))
-    mx.eval(drafter.parameters())
+    tgt.source, tgt.adapter = target_path, adapter  # what a saved cache records
+    if isinstance(drafter, Drafter):
+        check_pair(tgt, drafter)
+        drafter.update(cast_floats(drafter.parameters(), tgt.dtype))
+        mx.eval(drafter.parameters())
     return tgt, drafter, tokenizer
+
+
+def is_drafter(path: Path) -> bool:
+    """Whether the folder holds a DFlash drafter (rather than a model to load alone); a folder with no readable
+    config is taken for one, so that the drafter's loader names what is wrong with it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    if not isinstance(config, dict):
+        return True
+    return "dflash_config" in config or bool(set(config.get("architectures") or []) & set(DRAFTER_KINDS))

@@ -222,10 +222,16 @@ class CycleCosts:
     or through zero before any: a copy costs its verified tokens and nothing fixed, so
     copies are tried, and the first measures what they cost here. (Taken flat instead,
     one first copy of 15 priced a copy of 1 as dear and none was tried again.)
+
+    Without a drafter (``drafter`` False: a target loaded alone) only plain and copy
+    cycles run; the model is ready once a plain step is timed, and a copy's slope
+    before two copy depths are seen is zero (a copy is priced at one plain step until
+    one runs).
     """
 
     max_depth: int = 15
     decay: float = 0.95
+    drafter: bool = True
     plain: Optional[float] = None
     drafting: Line = field(init=False)
     copying: Line = field(init=False)
@@ -259,33 +265,39 @@ class CycleCosts:
             (self.copying if copy else self.drafting).add(k, seconds / self.plain - 1)
 
     def missing(self) -> list[int]:
-        """Depths to measure before the model is determined: plain and two drafting depths."""
+        """Depths to measure before the model is determined: plain and two drafting depths (without a drafter,
+        plain alone)."""
         if self.ready:
             return []
-        wanted = [self.max_depth, 0, 1]  # a full block first: a short first generation still drafts
+        wanted = [self.max_depth, 0, 1] if self.drafter else [0]  # a full block first: a short generation drafts
         return [k for k in wanted if k not in self.depths_seen]
 
     @property
     def ready(self) -> bool:
-        return self.plain is not None and self.drafting.depths >= min(2, self.max_depth)
+        return self.plain is not None and (not self.drafter or self.drafting.depths >= min(2, self.max_depth))
+
+    @property
+    def _drafting(self) -> tuple[float, float]:
+        """The drafting line's (fixed, per_token); none without a drafter."""
+        return self.drafting.fit or (0.0, 0.0)
 
     @property
     def theta(self) -> Optional[list[float]]:
         """(plain, drafter, per_token, copy fixed, copy per_token) in seconds at the current plain step, once measured."""
         if not self.ready:
             return None
-        return [self.plain * x for x in (1.0, *self.drafting.fit, *self.copying.through(self.drafting.fit[1]))]
+        return [self.plain * x for x in (1.0, *self._drafting, *self.copying.through(self._drafting[1]))]
 
     def predict(self, k: int) -> float:
         """Predicted seconds of a cycle drafting k."""
         assert self.ready
-        fixed, per_token = self.drafting.fit
+        fixed, per_token = self._drafting
         return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
 
     def predict_copy(self, k: int) -> float:
         """Predicted seconds of a cycle copying k."""
         assert self.ready
-        fixed, per_token = self.copying.through(self.drafting.fit[1])
+        fixed, per_token = self.copying.through(self._drafting[1])
         return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
 
 
@@ -356,6 +368,7 @@ class AdaptiveDepth:
 
     max_depth: int
     copies: bool = True
+    drafter: bool = True  # False: a target loaded alone, which decodes plainly or copies
     probe_budget: float = 0.005
     min_probe: int = 8
     stale: float = 0.995
@@ -391,7 +404,7 @@ class AdaptiveDepth:
     def __post_init__(self) -> None:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
-        self.costs = CycleCosts(self.max_depth)
+        self.costs = CycleCosts(self.max_depth, drafter=self.drafter)
         self._copy_backoff = self._copy_next = self.min_probe
 
     @property
@@ -407,6 +420,8 @@ class AdaptiveDepth:
     def _rates(self) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
         assert self.seconds is not None
+        if not self.drafter:  # nothing drafts: plain steps are the drafter's plan
+            return [1 / self.seconds[0]] + [0.0] * self.max_depth
         return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.seconds)]
 
     def _copy_rates(self) -> list[float]:
@@ -462,7 +477,7 @@ class AdaptiveDepth:
             return Plan(self.costs.missing()[0])
         rates = self._rates()
         schedule = (self._plain_run, self._new_prompt)
-        planned = self._plan_drafter(rates)
+        planned = self._plan_drafter(rates) if self.drafter else 0
         if self.copies:
             copying = self._copy_rates()
             c = self._argmax(copying)
@@ -577,8 +592,8 @@ class AdaptiveDepth:
 _shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()
 
 
-def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size: int, copies: bool = True
-                    ) -> AdaptiveDepth:
+def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size: int, copies: bool = True,
+                    drafts: bool = True) -> AdaptiveDepth:
     """The adaptive policy of this loaded pair and settings, shared by its generations in this process.
 
     What it measured (this machine's cycle costs for this model, the recent
@@ -586,9 +601,9 @@ def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size
     loaded model, measures afresh. A sharded target's ranks agree on rank 0's costs.
     """
     per_target = _shared.setdefault(target, {})
-    key = (id(drafter), window, block_size, copies)
+    key = (id(drafter), window, block_size, copies, drafts)
     if key not in per_target:
         group = getattr(target, "group", None)
         agree = None if group is None else functools.partial(from_main, g=group)
-        per_target[key] = AdaptiveDepth(block_size - 1, copies=copies, agree=agree)
+        per_target[key] = AdaptiveDepth(block_size - 1, copies=copies, drafter=drafts, agree=agree)
     return per_target[key]

@@ -225,4 +225,6 @@ class Target:
         else:
             h = self.body.norm(h[:, -1:] if last_logits_only else h)
         logits = self.lm_head(h[:, -1:] if last_logits_only else h)
+        if not self.layer_ids:  # loaded alone: no drafter reads features
+            return logits, h[..., :0]
         return logits, mx.concatenate([captured[i] for i in self.layer_ids], axis=-1)

@@ -10,7 +10,7 @@ import sys
 import time
 
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import httpx2 as httpx
 import mlx.core as mx
@@ -63,13 +63,14 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         raise
 
 
-def start_server(draft: Path, target: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """``dflash-mlx serve`` in a process of its own on a free loopback port; (process, base URL) once it answers."""
+def start_server(draft: Path, target: Optional[Path], *extra: str) -> tuple[subprocess.Popen, str]:
+    """``dflash-mlx serve`` in a process of its own on a free loopback port; (process, base URL) once it answers.
+    Without ``target``, ``draft`` is served alone (a plain model, or a pair the folder names)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", str(draft), "--target", str(target),
-           "--port", str(port), *extra]
+    pair = [str(draft)] + ([] if target is None else ["--target", str(target)])
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", *pair, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
