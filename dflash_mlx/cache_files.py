@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .caches import CacheState
+from .drafter import NoDrafter
 from .errors import DFlashError
 
 FORMAT = 2  # of the files: a change to what they hold gets a new number, and old files are left alone
@@ -43,7 +44,8 @@ def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, bl
         return {"config": (folder / config).read_text(), "weights": [_weight_file(f) for f in weights]}
 
     parts = {"format": FORMAT, "target": files(getattr(target, "source", None), "target"),
-             "drafter": files(getattr(drafter, "source", None), "drafter"), "layers": list(target.layer_ids),
+             "drafter": None if isinstance(drafter, NoDrafter) else files(getattr(drafter, "source", None), "drafter"),
+             "layers": list(target.layer_ids),
              "dtype": str(target.dtype), "window": window, "sinks": sinks, "block_size": block_size}
     if (adapter := getattr(target, "adapter", None)) is not None:  # absent otherwise: caches saved before still match
         parts["adapter"] = files(adapter, "adapter", "adapter_config.json")

@@ -67,13 +67,16 @@ def test_generate_takes_a_plain_model_folder(alone, looping_dir):
     assert refused.exit_code != 0 and "without a drafter" in refused.output and "Traceback" not in refused.output
 
 
-def test_serve_answers_with_a_plain_model(alone, looping_dir):
+def test_serve_answers_with_a_plain_model(alone, looping_dir, tmp_path):
+    """Batched, with its prompt cache on disk: the second request reuses the first's prompt."""
     target, drafter, tokenizer = alone
-    proc, url = start_server(looping_dir / "target", None, "--max-batch", "2")
+    proc, url = start_server(looping_dir / "target", None, "--max-batch", "2", "--prompt-cache-dir", str(tmp_path))
     try:
         body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0}
-        text = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-        assert text == generate(target, drafter, tokenizer, PROMPT, max_tokens=60).text
+        for _ in range(2):
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+            assert answer["choices"][0]["text"] == generate(target, drafter, tokenizer, PROMPT, max_tokens=60).text
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     finally:
         proc.send_signal(2)
         out, err = finish(proc, 30)
