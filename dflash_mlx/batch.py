@@ -14,8 +14,8 @@ runs per row (its context differs per row); the drafts, the stacked verify and
 every row's verdict are one graph, read once per cycle.
 
 What batches: targets whose layers are all full attention, without ``--window``
-(``Batch.fits``). Windows, sliding layers and recurrent (hybrid) layers decode
-one request at a time.
+or ``--kv-bits`` (``Batch.fits``). Windows, quantized caches, sliding layers and
+recurrent (hybrid) layers decode one request at a time.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def default_max_batch(target: Target, memory_bytes: int) -> int:
     """How many rows of ``ROW_TOKENS`` each fit in half the machine's memory beside the weights (1 to ``MAX_ROWS``)."""
     args = target.lm.args
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    per_token = 2 * heads * head_dim * target.dtype.size * target.num_layers
+    per_token = 2 * heads * target.head_dim * target.dtype.size * target.num_layers
     weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
     return max(1, min(MAX_ROWS, int((memory_bytes / 2 - weights) // (per_token * ROW_TOKENS))))
 
@@ -267,8 +266,10 @@ class Batch:
 
     @staticmethod
     def fits(target: Target, cache: DFlashCache) -> bool:
-        """Whether rows of this target and these settings can share a pass (full attention everywhere, no window)."""
-        return cache.window is None and all(kind == "full" for kind in target.kinds) and target.group is None
+        """Whether rows of this target and these settings can share a pass (full attention everywhere, no window,
+        no quantized KV cache)."""
+        return (cache.window is None and cache.kv is None and all(kind == "full" for kind in target.kinds)
+                and target.group is None)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -181,8 +181,9 @@ def degenerate(tokens: list[int]) -> bool:
 
 
 def _plain(target: Any, ids: list[int], max_tokens: int, window: Optional[int], sinks: int,
-           temperature: float, top_p: float, top_k: int, min_p: float, seed: Optional[int]) -> dict[str, Any]:
-    """mlx-lm's own decoding, with the same cache type (and window) as the DFlash run."""
+           temperature: float, top_p: float, top_k: int, min_p: float, seed: Optional[int],
+           **kv: Any) -> dict[str, Any]:
+    """mlx-lm's own decoding, with the same cache type (and window, or KV quantization) as the DFlash run."""
     sampler = make_sampler(temp=temperature, top_p=top_p if top_p < 1 else 0.0, min_p=min_p, top_k=top_k)
     if seed is not None:
         mx.random.seed(seed)
@@ -190,7 +191,8 @@ def _plain(target: Any, ids: list[int], max_tokens: int, window: Optional[int], 
     mx.reset_peak_memory()
     tokens, stamps = [], []
     tic = time.perf_counter()
-    for token, _ in generate_step(mx.array(ids), target.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache):
+    for token, _ in generate_step(mx.array(ids), target.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
+                                  **kv):
         stamps.append(time.perf_counter())
         tokens.append(int(token))
     ttft = stamps[0] - tic
@@ -228,12 +230,14 @@ def measure(
     seed: Optional[int] = 0,
     repeats: int = 1,
     on_record: Callable[[dict[str, Any]], None] = lambda record: None,
+    **kv: Any,
 ) -> list[dict[str, Any]]:
-    """One record per prompt (per turn for multi-turn conversations), after a warm-up of both paths."""
+    """One record per prompt (per turn for multi-turn conversations), after a warm-up of both paths. ``kv``:
+    mlx-lm's ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start``, for both paths alike."""
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    dflash_kwargs = dict(block_size=block_size, draft_source=draft_source, window=window, sinks=sinks, **sampling)
+    dflash_kwargs = dict(block_size=block_size, draft_source=draft_source, window=window, sinks=sinks, **sampling, **kv)
     paths: dict[str, Run] = {
-        "plain": lambda ids, n=max_tokens: _plain(target, ids, n, window, sinks, **sampling),
+        "plain": lambda ids, n=max_tokens: _plain(target, ids, n, window, sinks, **sampling, **kv),
         "dflash": lambda ids, n=max_tokens: _dflash(target, drafter, tokenizer, ids, max_tokens=n, **dflash_kwargs),
     }
     warm = tokenizer.encode("Hello", add_special_tokens=False) or [0]

@@ -33,7 +33,8 @@ TEMPORARY = ".tmp.safetensors"  # how the name of a file being written ends (it 
 SAMPLES, SAMPLE_BYTES = 8, 1 << 16  # blocks of each weight file's data that its fingerprint reads
 
 
-def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, block_size: int) -> str:
+def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, block_size: int,
+                kv: Optional[Any] = None) -> str:
     """What a cache belongs to: the pair's files (configs, weight files, a LoRA adapter's), the target's dtype and
     feature layers, and the cache settings. Caches of another model, of other weights in the same folder, or of
     other settings never match. Tokenizer files are left out: a cache maps token ids to the model's state, whatever text made them."""
@@ -47,6 +48,8 @@ def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, bl
              "drafter": None if isinstance(drafter, NoDrafter) else files(getattr(drafter, "source", None), "drafter"),
              "layers": list(target.layer_ids),
              "dtype": str(target.dtype), "window": window, "sinks": sinks, "block_size": block_size}
+    if kv is not None:  # a quantized cache's entries fit only runs quantized alike (absent otherwise, as below)
+        parts["kv"] = [kv.bits, kv.group_size, kv.start]
     if (adapter := getattr(target, "adapter", None)) is not None:  # absent otherwise: caches saved before still match
         parts["adapter"] = files(adapter, "adapter", "adapter_config.json")
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

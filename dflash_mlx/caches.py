@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
 
 from .errors import DFlashError
 
@@ -47,6 +47,58 @@ def check_block_size(block_size: int, drafter: Any) -> None:
     if block_size > drafter.block_size:
         raise DFlashError(f"block size {block_size} is larger than the block this drafter was trained for "
                           f"({drafter.block_size}): use {drafter.block_size} or less")
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's quantized KV cache (``--kv-bits``): the target's full-attention layers turn into
+    ``QuantizedKVCache``s once they hold ``start`` tokens, and stay so.
+
+    The switch happens where mlx-lm's ``generate_step`` makes it: after a prefill chunk
+    (the chunks run over the prompt but its last token, which runs alone) or a decode
+    step, once the cache holds at least ``start`` tokens. A verified block never
+    straddles that point (``DFlashCache.room``), so every position is computed against
+    the same keys, full or quantized, as plain decoding computes it.
+    """
+
+    bits: int
+    group_size: int = 64
+    start: int = 5000  # mlx-lm's DEFAULT_QUANTIZED_KV_START
+
+    @classmethod
+    def of(cls, kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 5000
+           ) -> Optional[KVQuantization]:
+        """From mlx-lm's three settings (None: no quantization)."""
+        return None if kv_bits is None else cls(kv_bits, kv_group_size, quantized_kv_start)
+
+    def check(self, head_dims: set[int]) -> None:
+        if self.bits not in KV_BITS:
+            raise DFlashError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {self.bits}")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise DFlashError(f"--kv-group-size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                              f"got {self.group_size}")
+        if self.start < 0:
+            raise DFlashError(f"--quantized-kv-start must be 0 or more, got {self.start}")
+        odd = sorted(d for d in head_dims if d % self.group_size)
+        if odd:
+            raise DFlashError(f"--kv-group-size {self.group_size} does not divide the target's head size {odd[0]}: "
+                              f"use {' or '.join(str(g) for g in KV_GROUP_SIZES if g <= odd[0] and odd[0] % g == 0) or 'none'}")
+
+
+def check_kv(kv: Optional[KVQuantization], target: Any, window: Optional[int]) -> None:
+    """Refuse what mlx-lm's quantized cache cannot hold, before any weight runs."""
+    if kv is None:
+        return
+    if window is not None:
+        raise DFlashError("--kv-bits and --window do not combine: a window bounds the cache already (choose one)")
+    if "sliding" in target.kinds:
+        raise DFlashError("--kv-bits: this target has sliding-window layers, whose caches mlx-lm cannot quantize "
+                          "either")
+    kv.check({target.head_dim})
 
 
 class WindowKVCache(_BaseCache):
@@ -272,16 +324,24 @@ def layer_state(c: Any) -> LayerState:
     if isinstance(c, KVCache):
         arrays = [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
         return "full", arrays, {"offset": c.offset}
+    if isinstance(c, QuantizedKVCache):  # (data, scales, biases) of the keys, then of the values
+        arrays = [] if c.keys is None else [a[..., : c.offset, :] for a in (*c.keys, *c.values)]
+        return "quantized", arrays, {"offset": c.offset, "bits": c.bits, "group_size": c.group_size}
     raise TypeError(f"no snapshot for a {type(c).__name__}")
 
 
-def set_layer_state(c: Any, state: LayerState) -> None:
-    """Put ``state`` (from ``layer_state``) into a fresh cache of the same kind, in array objects of its own."""
+def set_layer_state(c: Any, state: LayerState) -> Any:
+    """Put ``state`` (from ``layer_state``) into a fresh cache of the same kind, in array objects of its own; the
+    cache that holds it (a quantized layer's state takes a ``QuantizedKVCache`` in place of a fresh ``KVCache``)."""
     kind, arrays, meta = state
-    if kind != layer_state(c)[0] or len(arrays) not in (0, 2):
+    if kind == "quantized" and type(c) is KVCache:
+        c = QuantizedKVCache(meta["group_size"], meta["bits"])
+    if kind != layer_state(c)[0] or len(arrays) not in ((0, 6) if kind == "quantized" else (0, 2)):
         raise ValueError(f"a {kind} layer state does not fit a {type(c).__name__}")
     arrays = [a[...] for a in arrays]  # writes to this cache must not reach the snapshot's objects
-    if kind == "window":
+    if kind == "quantized":
+        c.keys, c.values = (tuple(arrays[:3]), tuple(arrays[3:])) if arrays else (None, None)
+    elif kind == "window":
         if (meta["window"], meta["sinks"], meta["slack"]) != (c.window, c.sinks, c.slack):
             raise ValueError("window settings differ")
         c.keys, c.values = arrays if arrays else (None, None)
@@ -291,6 +351,7 @@ def set_layer_state(c: Any, state: LayerState) -> None:
     else:
         c.keys, c.values = arrays if arrays else (None, None)
     c.offset = meta["offset"]
+    return c
 
 
 @dataclass
@@ -317,12 +378,12 @@ class CacheState:
     @property
     def rewindable(self) -> bool:
         """Whether the caches can go back to any point of the history (every layer full attention)."""
-        return all(kind == "full" for kind, _, _ in self.target + self.drafter)
+        return all(kind in ("full", "quantized") for kind, _, _ in self.target + self.drafter)
 
 
 def rewindable(layers: list[Any]) -> bool:
     """Whether these layer caches can go back to any point of their history (full attention only)."""
-    return all(type(c) is KVCache for c in layers)
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in layers)
 
 
 @dataclass(eq=False)
@@ -346,6 +407,7 @@ class DFlashCache:
     window: Optional[int]
     sinks: int
     block_size: int
+    kv: Optional[KVQuantization] = None  # the target's KV cache quantized (--kv-bits), from kv.start tokens
     tokens: list[int] = field(default_factory=list)  # the committed history, in order
     fresh: Callable[[], tuple[list[Any], list[Any]]] = field(default=lambda: ([], []), repr=False)
     pair: tuple[Any, Any] = field(default=(None, None), repr=False)  # the (target, drafter) it was made for
@@ -448,6 +510,17 @@ class DFlashCache:
         if self.drafter:
             self._parts.append(features)
             self._pending += features.shape[1]
+        if self.kv is not None and len(self.tokens) >= self.kv.start:
+            self.target = [c.to_quantized(self.kv.group_size, self.kv.bits) if type(c) is KVCache else c
+                           for c in self.target]
+
+    def room(self) -> Optional[int]:
+        """The most positions the next block may take: up to where the KV cache turns quantized, if it is still
+        ahead (None: no bound). A block across that point would compute its first positions against quantized keys
+        that plain decoding computes against full ones."""
+        if self.kv is None or len(self.tokens) >= self.kv.start or all(type(c) is not KVCache for c in self.target):
+            return None
+        return self.kv.start - len(self.tokens)
 
     def abandon(self) -> None:
         """Undo what an unfinished cycle applied: the caches hold ``tokens`` again.
@@ -499,8 +572,8 @@ class DFlashCache:
         if len(state.target) != len(target) or len(state.drafter) != len(drafter):
             raise DFlashError("the snapshot was taken of another model's caches (their layers differ)")
         try:
-            for c, layer in zip(target + drafter, state.target + state.drafter):
-                set_layer_state(c, layer)
+            target = [set_layer_state(c, layer) for c, layer in zip(target, state.target)]
+            drafter = [set_layer_state(c, layer) for c, layer in zip(drafter, state.drafter)]
         except (ValueError, KeyError) as e:
             raise DFlashError(f"the snapshot does not fit these caches ({e})") from None
         self.abandon()
@@ -529,16 +602,20 @@ class DFlashCache:
 
 
 def make_cache(
-    target: Any, drafter: Any, window: Optional[int] = None, sinks: int = 0, block_size: Optional[int] = None
+    target: Any, drafter: Any, window: Optional[int] = None, sinks: int = 0, block_size: Optional[int] = None,
+    kv: Optional[KVQuantization] = None,
 ) -> DFlashCache:
-    """Empty caches for generations of this pair with these settings (see ``stream_generate``)."""
+    """Empty caches for generations of this pair with these settings (see ``stream_generate``); ``kv``: the
+    target's KV cache quantized as mlx-lm's ``--kv-bits`` does."""
     block_size = drafter.block_size if block_size is None else block_size
     check_block_size(block_size, drafter)
     check_window(window, sinks, block_size)
+    check_kv(kv, target, window)
 
     def fresh() -> tuple[list[Any], list[Any]]:
         drafter_caches = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
         return target.make_cache(window, sinks, slack=block_size), drafter_caches
 
     target_caches, drafter_caches = fresh()
-    return DFlashCache(target_caches, drafter_caches, window, sinks, block_size, fresh=fresh, pair=(target, drafter))
+    return DFlashCache(target_caches, drafter_caches, window, sinks, block_size, kv, fresh=fresh,
+                       pair=(target, drafter))

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import distributed
-from .caches import make_cache
+from .caches import KVQuantization, make_cache
 from .chat_template import has_chat_template, render
 from .errors import DFlashError
 from .files import write_atomic
@@ -52,8 +52,14 @@ class ChatSession:
         if not has_chat_template(self.tokenizer):
             raise DFlashError("the target's tokenizer has no chat template, so it cannot chat: give one with "
                               "--chat-template FILE, or use `dflash-mlx generate --no-chat-template` for raw text")
-        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
+        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size, self._kv)
         self.ids: Optional[list[int]] = None  # the conversation as the model saw and wrote it
+
+    @property
+    def _kv(self) -> Optional[KVQuantization]:
+        """The quantized KV cache the options ask for (``kv_bits``), as the cache must be made for it."""
+        o = self.options
+        return KVQuantization.of(o.get("kv_bits"), o.get("kv_group_size", 64), o.get("quantized_kv_start", 5000))
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -224,7 +230,7 @@ class ChatSession:
 
     def reset_caches(self) -> None:
         self.ids = None
-        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size)
+        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size, self._kv)
 
 
 def _cut_short(responses: list[GenerationResponse]) -> Optional[GenerationResult]:

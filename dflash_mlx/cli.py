@@ -20,7 +20,8 @@ from rich.markup import escape
 
 from . import __version__, distributed
 from .cli_checks import (check_bench, check_http_stack, check_loaded, check_options, check_serving, duration,
-                         integers, logits_processors, origins, processing, prompt_caches, template_args)
+                         integers, kv_settings, logits_processors, origins, processing, prompt_caches,
+                         template_args)
 from .cli_models import bundle_manifests, load_model, pair_rows, thinking_mismatch
 from .cli_output import (generation_json, generation_stats, looping_note, print_machine, print_models,
                          print_selftest, rank_peaks, serving_line, training_summary)
@@ -107,6 +108,11 @@ TEMPLATE = typer.Option(
 TEMPLATE_ARGS = typer.Option(
     None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON: '{\"enable_thinking\": false}'."
 )
+KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits (4 or 8, as mlx-lm) "
+                                                 "once it holds --quantized-kv-start tokens \\[default: off].")
+KV_GROUP = typer.Option(64, "--kv-group-size", help="Group size of --kv-bits.")
+KV_START = typer.Option(5000, "--quantized-kv-start", help="With --kv-bits: tokens the cache holds before it turns "
+                                                             "quantized.")
 ADAPTER = typer.Option(None, "--adapter-path", help="An mlx-lm LoRA adapter folder (mlx_lm.lora's output) for the target.")
 STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
 REPETITION = typer.Option(None, "--repetition-penalty", help="Divide the logits of tokens seen in the last "
@@ -164,6 +170,9 @@ def generate(
     chat_template: Optional[str] = TEMPLATE,
     chat_template_args: Optional[str] = TEMPLATE_ARGS,
     adapter_path: Optional[str] = ADAPTER,
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP,
+    quantized_kv_start: int = KV_START,
     raw: bool = typer.Option(False, "--no-chat-template", help="Send the prompt as raw text, without the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
@@ -175,6 +184,7 @@ def generate(
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, **sampling)
     penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
     template_kwargs = template_args(chat_template_args)
+    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
     if raw and chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
@@ -189,7 +199,7 @@ def generate(
     responses, stopped = _stream(tgt, drafter, tokenizer, ids, as_json, max_tokens=max_tokens, block_size=block_size,
                                  window=window, sinks=sinks, prefill_step_size=prefill_step_size, stop=stop,
                                  draft_source=draft_source,
-                                 logits_processors=logits_processors(penalties, tgt.vocab_size), **sampling)
+                                 logits_processors=logits_processors(penalties, tgt.vocab_size), **sampling, **kv)
     _end_generation(responses, stopped, as_json)
 
 
@@ -349,6 +359,9 @@ def chat(
     chat_template: Optional[str] = TEMPLATE,
     chat_template_args: Optional[str] = TEMPLATE_ARGS,
     adapter_path: Optional[str] = ADAPTER,
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP,
+    quantized_kv_start: int = KV_START,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
@@ -361,6 +374,7 @@ def chat(
     check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, **sampling)
     penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
     template_kwargs = template_args(chat_template_args)
+    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
     model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
     if warning := thinking_mismatch(model, think):
         err.print(f"[yellow]warning:[/] {warning}")
@@ -368,7 +382,7 @@ def chat(
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
                           block_size=block_size, template_args=template_kwargs,
                           options=dict(max_tokens=max_tokens, **sampling, stop=stop, draft_source=draft_source,
-                                       logits_processors=logits_processors(penalties, tgt.vocab_size)))
+                                       logits_processors=logits_processors(penalties, tgt.vocab_size), **kv))
     converse(session, model, err)
 
 
@@ -387,6 +401,9 @@ def bench(
     draft_source: str = SOURCE,
     temperature: float = TEMP,
     adapter_path: Optional[str] = ADAPTER,
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP,
+    quantized_kv_start: int = KV_START,
     repeats: int = typer.Option(1, "--repeats", help="Runs per prompt; the order of the two paths alternates."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup and tau vs context and the acceptance histogram (PNG)."),
@@ -408,6 +425,7 @@ def bench(
     from .loader import load
 
     check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
+    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
     lengths = check_bench(repeats, num_prompts, dataset, prompt_tokens, score, score_timeout, score_unisolated,
                           json_out, plot_out, force)
     listed = cli_bench.listed_prompts(dataset, num_prompts)
@@ -415,7 +433,7 @@ def bench(
     _before_decoding(window, sinks, block_size, drafter)
     conversations = cli_bench.bench_prompts(listed, lengths, dataset, num_prompts, tokenizer, tgt.max_positions)
     options = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
-                   temperature=temperature, repeats=repeats)
+                   temperature=temperature, repeats=repeats, **kv)
     records, planned, interrupted = cli_bench.measure(err, tgt, drafter, tokenizer, conversations, **options)
     if interrupted and not records:
         err.print("[yellow]interrupted[/] before the first prompt was measured; nothing written")
@@ -512,6 +530,9 @@ def serve(
         None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON, that a request's "
         "chat_template_kwargs add to or override: '{\"enable_thinking\": false}'."),
     adapter_path: Optional[str] = ADAPTER,
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP,
+    quantized_kv_start: int = KV_START,
     temperature: float = typer.Option(0.0, "--temp", help="Temperature of requests that set none (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="top_p of requests that set none."),
     top_k: int = typer.Option(0, "--top-k", help="top_k of requests that set none."),
@@ -533,6 +554,7 @@ def serve(
         "\\[default: rows of 8k tokens in half the memory, at most 8]."),
 ) -> None:
     """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
+    from .caches import KVQuantization
     from .server.request import Defaults
 
     check_http_stack()
@@ -541,9 +563,10 @@ def serve(
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
                   top_p=top_p, top_k=top_k, min_p=min_p)
     check_serving(port, keepalive, log_level, max_batch)
+    kv = KVQuantization.of(**kv_settings(kv_bits, kv_group_size, quantized_kv_start))
     caches = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
     model, engine = _engine(model, target, chat_template, adapter_path, caches, window, sinks, block_size,
-                            draft_source=draft_source,
+                            draft_source=draft_source, kv=kv,
                             prefill_step_size=prefill_step_size, max_batch=max_batch,
                             defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens, template_args(chat_template_args)))
     if not distributed.is_main():  # rank 0 listens and hands each request over

@@ -79,7 +79,8 @@ def report(model: str, target: Optional[str], dataset: str, drafter: Any, record
                 "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
                 "draft_source": options["draft_source"], "max_tokens": options["max_tokens"],
                 "temperature": options["temperature"], "repeats": options["repeats"], "dataset": dataset,
-                "drafter": not isinstance(drafter, NoDrafter)}
+                "drafter": not isinstance(drafter, NoDrafter), "kv_bits": options.get("kv_bits"),
+                "kv_group_size": options.get("kv_group_size"), "quantized_kv_start": options.get("quantized_kv_start")}
     result = bench.report(settings, records, planned, interrupted)
     bench.print_report(result, console)
     peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)

@@ -53,6 +53,17 @@ def processing(repetition_penalty: Optional[float], repetition_context_size: int
     return {k: v for k, v in settings.items() if v is not None}
 
 
+def kv_settings(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> dict[str, Any]:
+    """--kv-bits, --kv-group-size and --quantized-kv-start, checked, as ``stream_generate`` takes them ({}: off)."""
+    from .caches import KVQuantization
+
+    kv = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
+    if kv is None:
+        return {}
+    kv.check(set())  # the head size against the group once the target is loaded
+    return {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
+
+
 def template_args(text: Optional[str]) -> dict[str, Any]:
     """--chat-template-args: a JSON object of keyword arguments for the chat template (as mlx-lm's server)."""
     import json

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from .caches import DFlashCache, check_block_size, check_window, make_cache
+from .caches import DFlashCache, KVQuantization, check_block_size, check_window, make_cache
 from .distributed import shared_seed
 from .drafter import Drafter, NoDrafter
 from .errors import DFlashError
@@ -219,15 +219,18 @@ def prefill_steps(
     """
     total = len(prompt)
     progress(0, total)
-    for start in range(0, total, chunk):
-        ids = prompt[start : start + chunk]
+    starts = list(range(0, total, chunk))
+    if cache.kv is not None and total > 1:  # mlx-lm's chunks, where the KV cache turns quantized: all but the last
+        starts = list(range(0, total - 1, chunk)) + [total - 1]  # token, then that token alone
+    for start, end in zip(starts, starts[1:] + [total]):
+        ids = prompt[start:end]
         with mx.stream(generation_stream):
             cache.absorb_context(drafter)
             logits, features = target(mx.array(ids)[None], cache.target, last_logits_only=True, undoable=False)
             cache.commit(ids, features)
         mx.eval(logits, [c.state for c in cache.target + cache.drafter], cache.context)
-        progress(min(start + chunk, total), total)
-        if start + chunk < total:
+        progress(end, total)
+        if end < total:
             yield None
     mx.clear_cache()  # prefill's temporaries are the largest buffers of the run
     yield logits[0, -1:]
@@ -291,9 +294,11 @@ class Row:
         return self.capped(self.policy.plan(self.cache.tokens), emitted)
 
     def capped(self, plan: Plan, emitted: Optional[int] = None) -> Plan:
-        """``plan`` within the block and what is left of the budget after ``emitted`` tokens."""
+        """``plan`` within the block, what is left of the budget after ``emitted`` tokens and the cache's room."""
         emitted = self.emitted if emitted is None else emitted
         cap = min(self.cache.block_size - 1, self.max_tokens - emitted - 1)
+        room = self.cache.room()  # a block never straddles the point where the KV cache turns quantized
+        cap = cap if room is None else min(cap, room - 1)
         return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
 
     def draft(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> _Drafted:
@@ -427,6 +432,9 @@ def stream_generate(
     logprobs: Optional[int] = None,
     draft_source: str = "auto",
     logits_processors: Optional[Sequence[LogitsProcessor]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
 
@@ -459,6 +467,13 @@ def stream_generate(
     greedy output equals mlx-lm's with the same processors, and sampling keeps the
     processed distribution.
 
+    ``kv_bits`` (with ``kv_group_size`` and ``quantized_kv_start``, as mlx-lm's
+    ``generate_step`` takes them) quantizes the target's KV cache once it holds
+    ``quantized_kv_start`` tokens, at the point mlx-lm's plain decoding does: greedy
+    output equals mlx-lm's greedy decoding with the same quantized cache (and the
+    same ``prefill_step_size``). Rejected tokens roll back on the quantized cache as
+    on any other.
+
     ``cache`` (from :func:`make_cache`, same window and block size) carries the
     caches across calls: when its tokens begin the new prompt, only the rest is
     prefilled (``GenerationResponse.prompt_cached`` counts the reused tokens).
@@ -490,7 +505,8 @@ def stream_generate(
         target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
         window=window, sinks=sinks, prefill_step_size=prefill_step_size, temperature=temperature, top_p=top_p,
         top_k=top_k, min_p=min_p, seed=seed, verify=verify, cache=cache, policy=policy, stop=stop, logprobs=logprobs,
-        draft_source=draft_source, logits_processors=logits_processors,
+        draft_source=draft_source, logits_processors=logits_processors, kv_bits=kv_bits,
+        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
     )
     decoder = decode(request.row, request.ids[request.reused:], request.prefill_step_size,
                       prompt_progress_callback or (lambda done, total: None))
@@ -521,7 +537,8 @@ def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **se
     ids = encode_prompt(tokenizer, prompt)
     max_tokens = check_context(target.max_positions, len(ids), o.max_tokens)
     eos = frozenset(tokenizer.eos_token_ids if o.eos_token_ids is None else o.eos_token_ids)
-    cache = _matching_cache(o.cache, target, drafter, o.window, o.sinks, block_size)
+    kv = KVQuantization.of(o.kv_bits, o.kv_group_size, o.quantized_kv_start)
+    cache = _matching_cache(o.cache, target, drafter, o.window, o.sinks, block_size, kv)
     check_source(o.draft_source)
     policy = o.policy
     if policy is None:
@@ -554,17 +571,21 @@ def _check_settings(
 
 
 def _matching_cache(
-    cache: Optional[DFlashCache], target: Target, drafter: Drafter, window: Optional[int], sinks: int, block_size: int
+    cache: Optional[DFlashCache], target: Target, drafter: Drafter, window: Optional[int], sinks: int, block_size: int,
+    kv: Optional[KVQuantization] = None,
 ) -> DFlashCache:
     """The caller's cache, if it was made for this pair and these settings, else a new one."""
     if cache is None:
-        return make_cache(target, drafter, window, sinks, block_size)
+        return make_cache(target, drafter, window, sinks, block_size, kv)
     cache.check_pair(target, drafter)
     if (cache.window, cache.sinks, cache.block_size) != (window, sinks, block_size):
         raise DFlashError(
             f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
             f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
         )
+    if cache.kv != kv:
+        raise DFlashError(f"cache was made for kv={cache.kv}; this call uses kv={kv} (make_cache's kv, the call's "
+                          "kv_bits, kv_group_size and quantized_kv_start must agree)")
     return cache
 
 

@@ -146,6 +146,11 @@ class Target:
         return self.lm.args.hidden_size
 
     @property
+    def head_dim(self) -> int:
+        args = self.lm.args
+        return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the embedding: every id the model takes, added tokens included."""
         return self.body.embed_tokens.weight.shape[0]

@@ -158,7 +158,7 @@ class BatchRunner:
     def _take(self, job: Job) -> None:
         engine, c = self.engine, job.completion
         cache = make_cache(engine.target, engine.drafter, engine.options["window"], engine.options["sinks"],
-                           engine.options["block_size"])
+                           engine.options["block_size"], engine.kv)
         engine.store.prepare(c.ids, cache)
         try:
             request = setup(engine.target, engine.drafter, engine.tokenizer, c.ids, max_tokens=c.max_tokens,

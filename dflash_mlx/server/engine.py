@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 from ..cache_files import fingerprint
 from ..batch import Batch, check_max_batch
-from ..caches import make_cache
+from ..caches import KVQuantization, make_cache
 from ..distributed import from_main, from_main_bytes
 from ..errors import DFlashError
 from ..generate import stream_generate
@@ -64,17 +64,19 @@ class Engine:
                  sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
                  defaults: Defaults = Defaults(), cache_entries: int = 10, cache_bytes: Optional[int] = None,
                  cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None, draft_source: str = "auto",
-                 max_batch: int = 1):
+                 max_batch: int = 1, kv: Optional[KVQuantization] = None):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
         self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size,
                             draft_source=draft_source)
-        self.defaults = defaults
-        cache = make_cache(target, drafter, window, sinks, block_size)
+        if kv is not None:
+            self.options.update(kv_bits=kv.bits, kv_group_size=kv.group_size, quantized_kv_start=kv.start)
+        self.defaults, self.kv = defaults, kv
+        cache = make_cache(target, drafter, window, sinks, block_size, kv)
         if target.group is not None and (cache_dir is not None or cache_bytes is not None):
             # Every rank must choose the same entry: by count alone (a rank's bytes are its share's).
             raise DFlashError("a sharded target keeps its prompt cache by entry count only: drop --prompt-cache-dir "
                               "and --prompt-cache-bytes under mlx.launch")
-        print_ = fingerprint(target, drafter, window, sinks, cache.block_size) if cache_dir is not None else None
+        print_ = fingerprint(target, drafter, window, sinks, cache.block_size, kv) if cache_dir is not None else None
         self.store = PromptCache(cache, cache_entries, cache_bytes, cache_dir, cache_disk_bytes, print_)
         check_max_batch(max_batch)
         # Rows share a pass only where every layer is full attention, without a window, on one machine.

@@ -1,0 +1,129 @@
+"""``--kv-bits``: the target's KV cache quantized as mlx-lm quantizes it, rollback exact, output equal to mlx-lm's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache
+from typer.testing import CliRunner
+
+from dflash_mlx import DFlashError, fixtures, generate, load, make_cache
+from dflash_mlx.batch import Batch
+from dflash_mlx.caches import KVQuantization
+from dflash_mlx.cli import app
+
+PROMPT = "def fibonacci(n):\n    return fib"
+
+
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory):
+    """A target whose heads are 64 wide (mlx-lm's default group size) and that loops (copies are accepted)."""
+    root = tmp_path_factory.mktemp("kv")
+    config = fixtures.target_config("qwen3", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    fixtures.write_target(root / "target", config, seed=0, init_scale=1.0)
+    fixtures.write_drafter(root / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1, 2]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def kv_pairs(kv_dir):
+    return {"drafter": load(str(kv_dir / "draft"), str(kv_dir / "target")), "alone": load(str(kv_dir / "target"))}
+
+
+def mlx_lm_tokens(model, ids, n, **settings):
+    return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n, **settings)]
+
+
+# (bits, quantized_kv_start, prefill_step_size): from the start; in the prefill at a chunk's end; at the prompt's
+# last token, which mlx-lm runs alone (16 of 17: chunks of 5 end at 5, 10, 15, 16); at its end; while decoding.
+CASES = [(4, 0, 4), (8, 7, 3), (4, 16, 5), (4, 17, 4), (4, 40, 2048)]
+
+
+@pytest.mark.parametrize("kind", ["drafter", "alone"])
+@pytest.mark.parametrize("bits,start,chunk", CASES)
+def test_greedy_output_equals_mlx_lm_with_the_same_quantized_cache(kv_pairs, kind, bits, start, chunk):
+    target, drafter, tokenizer = kv_pairs[kind]
+    ids = tokenizer.encode(PROMPT)
+    assert len(ids) == 17
+    settings = dict(kv_bits=bits, quantized_kv_start=start, prefill_step_size=chunk)
+    reference = mlx_lm_tokens(target.model, ids, 100, **settings)
+    assert reference != mlx_lm_tokens(target.model, ids, 100, prefill_step_size=chunk)  # quantizing changes it
+    results = [generate(target, drafter, tokenizer, ids, max_tokens=100, eos_token_ids=[], block_size=block_size,
+                        **settings) for block_size in (None, 16)]
+    assert [r.tokens for r in results] == [reference, reference]
+    assert results[0].by_source["copy"]["accepted"] > 10  # blocks were accepted: rollbacks ran on quantized caches
+
+
+def test_the_cache_turns_quantized_where_mlx_lm_does_and_holds_its_history(kv_pairs):
+    target, drafter, tokenizer = kv_pairs["drafter"]
+    ids = tokenizer.encode(PROMPT)
+    kv = KVQuantization(4, 64, 30)
+    cache = make_cache(target, drafter, kv=kv)
+    generate(target, drafter, tokenizer, ids, max_tokens=8, eos_token_ids=[], cache=cache, kv_bits=4,
+             quantized_kv_start=30)
+    assert all(type(c) is not QuantizedKVCache for c in cache.target) and len(cache.tokens) < 30
+    generate(target, drafter, tokenizer, cache.tokens + [5], max_tokens=40, eos_token_ids=[], cache=cache, kv_bits=4,
+             quantized_kv_start=30)
+    assert all(type(c) is QuantizedKVCache for c in cache.target)
+    cache.check()
+    state = cache.snapshot()  # a prompt-cache entry of a quantized cache restores into a fresh one
+    fresh = make_cache(target, drafter, kv=kv)
+    fresh.restore(state)
+    fresh.check()
+    assert fresh.tokens == cache.tokens and all(type(c) is QuantizedKVCache for c in fresh.target)
+
+
+def test_what_does_not_combine_with_kv_bits_is_refused(kv_pairs, pairs):
+    target, drafter, tokenizer = kv_pairs["drafter"]
+    with pytest.raises(DFlashError, match="do not combine"):
+        generate(target, drafter, tokenizer, PROMPT, max_tokens=4, kv_bits=4, window=64)
+    with pytest.raises(DFlashError, match="--kv-bits must be one of"):
+        generate(target, drafter, tokenizer, PROMPT, max_tokens=4, kv_bits=7)
+    small, small_drafter, small_tokenizer = pairs["qwen3"]  # heads 16 wide
+    with pytest.raises(DFlashError, match="does not divide the target's head size 16"):
+        generate(small, small_drafter, small_tokenizer, PROMPT, max_tokens=4, kv_bits=4)
+    assert not Batch.fits(target, make_cache(target, drafter, kv=KVQuantization(4)))
+
+
+def test_generate_takes_kv_bits(kv_pairs, kv_dir):
+    target, drafter, tokenizer = kv_pairs["alone"]
+    flags = ["--kv-bits", "4", "--quantized-kv-start", "10", "--no-chat-template", "--json"]
+    result = CliRunner().invoke(app, ["generate", str(kv_dir / "target"), "-p", PROMPT, "-m", "40", *flags])
+    assert result.exit_code == 0, result.output
+    import json
+
+    ids = tokenizer.encode(PROMPT)
+    assert json.loads(result.stdout)["tokens"] == mlx_lm_tokens(target.model, ids, 40, kv_bits=4,
+                                                                 quantized_kv_start=10)
+    refused = CliRunner().invoke(app, ["generate", str(kv_dir / "target"), "-p", "hi", "--kv-bits", "4", "-w", "64"])
+    assert refused.exit_code != 0 and "do not combine" in refused.output and "Traceback" not in refused.output
+
+
+def test_serve_and_bench_take_kv_bits(kv_pairs, kv_dir):
+    """The server answers as mlx-lm's quantized decoding (one request at a time: a quantized cache does not batch);
+    bench compares with mlx-lm quantized alike, and its JSON says so."""
+    import httpx2 as httpx
+    from helpers import finish, start_server
+
+    target, drafter, tokenizer = kv_pairs["drafter"]
+    proc, url = start_server(kv_dir / "draft", kv_dir / "target", "--kv-bits", "4", "--quantized-kv-start", "10",
+                             "--max-batch", "4")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        reference = mlx_lm_tokens(target.model, tokenizer.encode(PROMPT), 40, kv_bits=4, quantized_kv_start=10)
+        assert text == tokenizer.decode(reference)
+        assert httpx.get(f"{url}/health").json()["batch"] == {"max": 1}
+    finally:
+        proc.send_signal(2)
+        finish(proc, 30)
+    import json
+
+    out = kv_dir / "bench.json"
+    result = CliRunner().invoke(app, ["bench", str(kv_dir / "draft"), "--target", str(kv_dir / "target"),
+                                      "--num-prompts", "1", "-m", "24", "--kv-bits", "8", "--quantized-kv-start", "0",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["kv_bits"] == 8 and report["records"][0]["identical"]
