@@ -127,3 +127,11 @@ def test_serve_and_bench_take_kv_bits(kv_pairs, kv_dir):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["kv_bits"] == 8 and report["records"][0]["identical"]
+
+
+def test_chat_keeps_a_quantized_cache_across_turns(kv_dir):
+    """The second turn prefills only its new message, onto the cache the first turn left quantized."""
+    result = CliRunner().invoke(app, ["chat", str(kv_dir / "target"), "--kv-bits", "4", "--quantized-kv-start", "8",
+                                      "-m", "20"], input="hello\nand more\n")
+    assert result.exit_code == 0, result.output
+    assert "error" not in result.output.lower() and result.output.count("prefilled") == 2
