@@ -33,7 +33,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache
 from .caches import DFlashCache
 from .errors import DFlashError
 from .generate import Emitted, InFlight, Prompt, Request, Row, decode, prefill, responses_of, setup
-from .policy import AdaptiveDepth, CycleCosts, Plan
+from .policy import COPY, AdaptiveDepth, CycleCosts, Plan
 from .responses import GenerationResponse, GenerationResult
 from .target import Target
 
@@ -233,8 +233,9 @@ class BatchPlanner:
             return list(plans)
         k = self.depth([policies[i].expected(plans[i].source) for i in adaptive])
         out = list(plans)
-        for i in adaptive:
-            out[i] = Plan(k, plans[i].source, k) if k else Plan(0)
+        for i in adaptive:  # a planned copy the history does not offer falls back to the row's own drafter plan:
+            fallback = min(plans[i].fallback, k) if plans[i].source == COPY else k  # k was priced on the copy
+            out[i] = Plan(k, plans[i].source, fallback) if k else Plan(0)
         return out
 
 

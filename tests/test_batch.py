@@ -13,7 +13,7 @@ from dflash_mlx import DFlashError, generate, stream_generate
 from dflash_mlx.batch import Batch, BatchPlanner, RaggedKVCache, batch_generate
 from dflash_mlx.caches import make_cache
 from dflash_mlx.generate import prefill, setup
-from dflash_mlx.policy import AdaptiveDepth, Plan
+from dflash_mlx.policy import COPY, AdaptiveDepth, Plan
 from dflash_mlx.repeats import Repeats
 
 # Prompts of different lengths: the rows' histories differ in length from the first cycle on.
@@ -171,6 +171,17 @@ def _planned(planner: BatchPlanner, cycles: int, rows: int, acceptance: float) -
         planner.observe(k, seconds, sum(a + 1 for a in accepted))
         chosen.append(k)
     return chosen
+
+
+def test_a_planned_copy_not_offered_falls_back_to_the_rows_own_drafter_plan():
+    """The batch's depth was priced on the copy's acceptance: where the history offers none, the row drafts what its
+    own policy would have (plain here), not that depth with its drafter."""
+    planner = BatchPlanner()
+    _planned(planner, 40, rows=2, acceptance=0.9)  # the planner now drafts
+    policies = [AdaptiveDepth(15), AdaptiveDepth(15)]
+    plans = planner.plans(policies, [Plan(15, COPY, 0), Plan(15, COPY, 3)])
+    k = plans[0].depth
+    assert k > 0 and [(p.depth, p.source, p.fallback) for p in plans] == [(k, COPY, 0), (k, COPY, min(3, k))]
 
 
 def test_the_planner_drafts_the_depth_that_pays_for_the_batch_and_probes_on_a_backoff():
