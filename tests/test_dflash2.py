@@ -620,7 +620,7 @@ def test_selftest_with_a_dflash2_drafter(d2_dir, tmp_path, monkeypatch, count_pr
     from dflash_mlx.policy import FixedBlock
 
     module = importlib.import_module("dflash_mlx.generate")  # the package's `generate` is the function
-    monkeypatch.setattr(module, "adaptive_policy", lambda target, drafter, window, block, copies: FixedBlock(block))
+    monkeypatch.setattr(module, "adaptive_policy", lambda target, drafter, window, block, **_: FixedBlock(block))
     monkeypatch.chdir(tmp_path)
     result = _doctor(d2_dir, "qwen3")
     assert result.exit_code == 0, result.output
