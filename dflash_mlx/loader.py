@@ -138,7 +138,7 @@ def load_drafter(path: Path) -> Drafter:
     """Load a z-lab DFlash or DFlash2 checkpoint folder exactly as published."""
     config = _read_config(path)
     architectures = config.get("architectures") or []
-    if "dflash_config" not in config and not set(architectures) & set(DRAFTER_KINDS):
+    if not _drafter_config(config):
         raise DFlashError(
             f"{path} is not a DFlash drafter (architectures {architectures or 'missing'}, "
             "no dflash_config)"
@@ -321,6 +321,9 @@ def is_drafter(path: Path) -> bool:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return True
-    if not isinstance(config, dict):
-        return True
+    return not isinstance(config, dict) or _drafter_config(config)
+
+
+def _drafter_config(config: dict[str, Any]) -> bool:
+    """A drafter's config: a ``dflash_config``, or a drafter kind among its architectures."""
     return "dflash_config" in config or bool(set(config.get("architectures") or []) & set(DRAFTER_KINDS))

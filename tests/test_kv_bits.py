@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError, fixtures, generate, load, make_cache
 from dflash_mlx.batch import Batch
+from dflash_mlx.cache_files import fingerprint, read_state, write_state
 from dflash_mlx.caches import KVQuantization
 from dflash_mlx.cli import app
 
@@ -55,7 +56,7 @@ def test_greedy_output_equals_mlx_lm_with_the_same_quantized_cache(kv_pairs, kin
     assert results[0].by_source["copy"]["accepted"] > 10  # blocks were accepted: rollbacks ran on quantized caches
 
 
-def test_the_cache_turns_quantized_where_mlx_lm_does_and_holds_its_history(kv_pairs):
+def test_the_cache_turns_quantized_where_mlx_lm_does_and_holds_its_history(kv_pairs, tmp_path):
     target, drafter, tokenizer = kv_pairs["drafter"]
     ids = tokenizer.encode(PROMPT)
     kv = KVQuantization(4, 64, 30)
@@ -72,6 +73,14 @@ def test_the_cache_turns_quantized_where_mlx_lm_does_and_holds_its_history(kv_pa
     fresh.restore(state)
     fresh.check()
     assert fresh.tokens == cache.tokens and all(type(c) is QuantizedKVCache for c in fresh.target)
+    print_ = fingerprint(target, drafter, None, 0, cache.block_size, kv)  # and through a file, as --prompt-cache-dir
+    write_state(tmp_path / "entry.safetensors", state, print_)
+    read, _ = read_state(tmp_path / "entry.safetensors", print_)
+    again = make_cache(target, drafter, kv=kv)
+    again.restore(read)
+    again.check()
+    assert again.tokens == cache.tokens and all(type(c) is QuantizedKVCache for c in again.target)
+    assert print_ != fingerprint(target, drafter, None, 0, cache.block_size)  # never read into an unquantized run
 
 
 def test_what_does_not_combine_with_kv_bits_is_refused(kv_pairs, pairs):
