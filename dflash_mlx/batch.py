@@ -1,21 +1,19 @@
 """Generations decoded together: each row drafts on its own, the target verifies every row's block in one pass.
 
-Rows accept different lengths each cycle, so the target's attention layers keep a
-length per row (``RaggedKVCache``): a row's block is written right after its own
-history and attends to that alone (RoPE at the row's own positions); what a row
-rejected lies past its length and is overwritten by its next block. Nothing moves
-when rows diverge: no padding shifts, no copies of the history.
+Rows accept different lengths each cycle, so the target's layers keep a length per
+row (``ragged``): a row's block is written right after its own history and attends to
+that alone; what a row rejected is undone in its row only.
 
 Each row keeps its own ``DFlashCache`` (history, drafter context, pending
 features) whose target layers are views of its row (``RowView``), so commit,
 abandon and the cache invariant work per row exactly as in a solo generation; a
-row leaves with its target layers copied back out, as plain caches. The drafter
-runs per row (its context differs per row); the drafts, the stacked verify and
-every row's verdict are one graph, read once per cycle.
+row leaves with its target layers copied back out, as the caches it had alone. The
+drafter runs per row (its context differs per row); the drafts, the stacked verify
+and every row's verdict are one graph, read once per cycle.
 
-What batches: targets whose layers are all full attention, without ``--window``
-or ``--kv-bits`` (``Batch.fits``). Windows, quantized caches, sliding layers and
-recurrent (hybrid) layers decode one request at a time.
+What batches: every target (full attention, sliding-window layers, recurrent
+layers of the hybrid ones) on one machine, without ``--window`` or ``--kv-bits``
+(``Batch.fits``). Those and a sharded target decode one request at a time.
 """
 
 from __future__ import annotations
@@ -28,135 +26,47 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache
 
-from .caches import DFlashCache
+from .caches import DFlashCache, RecurrentCache, WindowKVCache
 from .errors import DFlashError
 from .generate import Emitted, InFlight, Prompt, Request, Row, decode, prefill, responses_of, setup
 from .policy import COPY, AdaptiveDepth, CycleCosts, Plan
+from .ragged import RowView, ragged_layer
 from .responses import GenerationResponse, GenerationResult
 from .target import Target
 
+SOLO = {"full": KVCache, "sliding": WindowKVCache, "linear": RecurrentCache}  # a layer's cache alone, by kind
 ROW_TOKENS = 8192  # the context one row of a batch is sized for (an agent's prompt and reply)
 MAX_ROWS = 8
 
 
 def default_max_batch(target: Target, memory_bytes: int) -> int:
-    """How many rows of ``ROW_TOKENS`` each fit in half the machine's memory beside the weights (1 to ``MAX_ROWS``)."""
+    """How many rows of ``ROW_TOKENS`` each fit in half the machine's memory beside the weights (1 to ``MAX_ROWS``).
+
+    A row's attention layers, sliding ones too (a batch keeps their whole history), grow
+    with its tokens; a recurrent layer holds its conv and SSM states (float32) whatever
+    the length.
+    """
     args = target.lm.args
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    per_token = 2 * heads * target.head_dim * target.dtype.size * target.num_layers
+    attention = sum(kind != "linear" for kind in target.kinds)
+    per_token = 2 * heads * target.head_dim * target.dtype.size * attention
+    recurrent = sum(_state_bytes(layer.linear_attn) for layer, kind in zip(target.body.layers, target.kinds)
+                    if kind == "linear")
     weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
-    return max(1, min(MAX_ROWS, int((memory_bytes / 2 - weights) // (per_token * ROW_TOKENS))))
+    row = per_token * ROW_TOKENS + recurrent
+    return max(1, min(MAX_ROWS, int((memory_bytes / 2 - weights) // row)))
+
+
+def _state_bytes(gdn: Any) -> int:
+    """A GatedDeltaNet layer's states for one row: the conv window and the SSM state, in float32."""
+    return 4 * ((gdn.conv_kernel_size - 1) * gdn.conv_dim + gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim)
 
 
 def check_max_batch(rows: Optional[int]) -> None:
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         raise DFlashError(f"--max-batch must be an integer of at least 1, got {rows!r}")
-
-
-class RaggedKVCache(_BaseCache):
-    """One attention layer's keys and values for rows of different lengths ([rows, heads, capacity, dim])."""
-
-    step = 256
-
-    def __init__(self) -> None:
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
-        self.lengths: list[int] = []
-
-    @property
-    def offset(self) -> Any:
-        """Each row's next position: where RoPE puts its new tokens (one row: a number, as a solo cache's)."""
-        return self.lengths[0] if len(self.lengths) == 1 else mx.array(self.lengths)
-
-    def _capacity(self, needed: int) -> None:
-        if self.keys is not None and needed <= self.keys.shape[2]:
-            return
-        grow = -(-needed // self.step) * self.step - (0 if self.keys is None else self.keys.shape[2])
-        pad = [(0, 0), (0, 0), (0, grow), (0, 0)]
-        self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write each row's ``N`` new positions after its own history; every row's keys up to the longest."""
-        n = keys.shape[2]
-        end = max(self.lengths) + n
-        self._capacity(end)
-        for i, length in enumerate(self.lengths):
-            self.keys[i : i + 1, :, length : length + n] = keys[i : i + 1]
-            self.values[i : i + 1, :, length : length + n] = values[i : i + 1]
-        self.lengths = [length + n for length in self.lengths]
-        return self.keys[..., :end, :], self.values[..., :end, :]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
-        """[rows, 1, N, T]: a row's new position q sees its history and its block up to q, nothing past them."""
-        if window_size is not None:
-            raise ValueError("a ragged batch holds full-attention layers only")
-        if len(self.lengths) == 1:  # one row: the plain causal mask (none for one query), as a solo cache gives
-            return "causal" if N > 1 else None
-        lengths = mx.array(self.lengths)[:, None, None, None]
-        queries = mx.arange(N)[None, None, :, None]
-        keys = mx.arange(max(self.lengths) + N)[None, None, None, :]
-        return keys <= lengths + queries
-
-    def append(self, cache: KVCache) -> None:
-        """A new last row holding ``cache``'s history."""
-        length = cache.offset
-        keys, values = cache.keys[..., :length, :], cache.values[..., :length, :]
-        if self.keys is None:
-            shape = (0, keys.shape[1], 0, keys.shape[3])
-            self.keys, self.values = mx.zeros(shape, keys.dtype), mx.zeros(shape[:3] + (values.shape[3],), values.dtype)
-        self._capacity(length)
-        pad = [(0, 0), (0, 0), (0, self.keys.shape[2] - length), (0, 0)]
-        self.keys = mx.concatenate([self.keys, mx.pad(keys, pad)])
-        self.values = mx.concatenate([self.values, mx.pad(values, pad)])
-        self.lengths.append(length)
-
-    def pop(self, row: int) -> KVCache:
-        """Take row ``row`` out, as a plain cache of its own."""
-        cache = KVCache()
-        length = self.lengths.pop(row)
-        cache.keys = mx.contiguous(self.keys[row : row + 1, :, :length])
-        cache.values = mx.contiguous(self.values[row : row + 1, :, :length])
-        cache.offset = length
-        keep = mx.array([i for i in range(self.keys.shape[0]) if i != row], dtype=mx.int32)
-        capacity = -(-max(self.lengths, default=0) // self.step) * self.step  # a long row gone: its width goes too
-        self.keys, self.values = self.keys[keep, :, :capacity], self.values[keep, :, :capacity]
-        return cache
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
-
-
-class RowView:
-    """One row of a ragged layer, as the row's ``DFlashCache`` sees its target layer: a length that can go back."""
-
-    def __init__(self, layer: RaggedKVCache, batch: Batch, row: Row) -> None:
-        self.layer, self.batch, self.row = layer, batch, row
-
-    @property
-    def offset(self) -> int:
-        return self.layer.lengths[self.batch.index(self.row)]
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        i = self.batch.index(self.row)
-        n = min(n, self.layer.lengths[i])
-        self.layer.lengths[i] -= n
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        """This row's share of the layer."""
-        rows = len(self.layer.lengths)
-        return self.layer.nbytes // rows if rows else 0
 
 
 @dataclass
@@ -258,7 +168,7 @@ class Batch:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.layers = [RaggedKVCache() for _ in target.kinds]
+        self.layers = [ragged_layer(kind, target.sliding_window) for kind in target.kinds]
         self.rows: list[Row] = []
         self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
         self.planner = BatchPlanner()
@@ -267,10 +177,9 @@ class Batch:
 
     @staticmethod
     def fits(target: Target, cache: DFlashCache) -> bool:
-        """Whether rows of this target and these settings can share a pass (full attention everywhere, no window,
-        no quantized KV cache)."""
-        return (cache.window is None and cache.kv is None and all(kind == "full" for kind in target.kinds)
-                and target.group is None)
+        """Whether rows of this target and these settings can share a pass (no window over the full-attention
+        layers, no quantized KV cache, one machine)."""
+        return cache.window is None and cache.kv is None and target.group is None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -281,17 +190,17 @@ class Batch:
 
     def join(self, row: Row) -> None:
         """Take in a row that has its first token: its target layers move into the batch."""
-        odd = next((c for c in row.cache.target if type(c) is not KVCache), None)
+        odd = next((c for c, kind in zip(row.cache.target, self.target.kinds) if type(c) is not SOLO[kind]), None)
         if odd is not None:  # checked before any layer moves: a refused row keeps its caches
-            raise ValueError(f"a ragged batch takes full-attention caches only, not {type(odd).__name__}")
+            raise ValueError(f"a batch takes its target's own caches, not a {type(odd).__name__}")
         for layer, cache in zip(self.layers, row.cache.target):
             layer.append(cache)
         self._places[id(row)] = len(self.rows)
         self.rows.append(row)
-        row.cache.target = [RowView(layer, self, row) for layer in self.layers]
+        row.cache.target = [RowView(layer, lambda: self.index(row)) for layer in self.layers]
 
     def leave(self, row: Row) -> None:
-        """Give a row its target layers back as plain caches (what it committed) and drop it from the batch."""
+        """Give a row its target layers back as the caches it had alone (what it committed); drop it from the batch."""
         i = self.index(row)
         row.cache.target = [layer.pop(i) for layer in self.layers]
         del self.rows[i]

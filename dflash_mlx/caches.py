@@ -281,6 +281,14 @@ class RecurrentCache(ArraysCache):
         self.last_update = 0
         self.offset = 0  # tokens consumed, so that every layer's cache can say where it stands
 
+    def record(self, conv: mx.array, state: mx.array, replay: Optional[Callable[[int], tuple[mx.array, mx.array]]],
+               tokens: int) -> None:
+        """An update of ``tokens`` positions: the states after it, and how to undo its tail (None: it cannot be,
+        a prefill chunk)."""
+        self[0], self[1] = conv, state
+        self.replay, self.last_update = (replay, tokens) if replay is not None else (None, 0)
+        self.offset += tokens
+
     def is_trimmable(self) -> bool:
         return True
 

@@ -104,9 +104,7 @@ def _gated_delta_net(gdn: nn.Module, x: mx.array, cache: RecurrentCache, undoabl
         kept = steps[keep - 1] if steps else recurrence(keep, old_state)[1]
         return mx.contiguous(conv_input[:, keep : keep + n_keep]), kept
 
-    cache[0], cache[1] = mx.contiguous(conv_input[:, -n_keep:]), state
-    cache.replay, cache.last_update = (replay, S) if undoable else (None, 0)
-    cache.offset += S
+    cache.record(mx.contiguous(conv_input[:, -n_keep:]), state, replay if undoable else None, S)
     out = gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
     group = getattr(gdn, "sharding_group", None)  # sharded: this rank's heads (and state) only, summed here
     return out if group is None else mx.distributed.all_sum(out, group=group)

@@ -10,8 +10,10 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, fixtures, generate, load, make_cache
+from dflash_mlx import DFlashError, fixtures, generate, load, make_cache, stream_generate
+from dflash_mlx.batch import Batch, batch_generate
 from dflash_mlx.caches import RecurrentCache, trim_to
+from dflash_mlx.generate import prefill, setup
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -157,3 +159,62 @@ def test_unsupported_architecture_is_named(tmp_path, models_dir):
     (tmp_path / "t" / "config.json").write_text((tmp_path / "t" / "config.json").read_text().replace('"qwen3"', '"deepseek_v3"'))
     with pytest.raises(DFlashError, match=r"'deepseek_v3' is not supported; supported: .*qwen3_5.*gpt_oss"):
         load(str(models_dir / "qwen3-dflash"), str(tmp_path / "t"))
+
+
+# Rows of different lengths and acceptances, decoded together (``dflash_mlx.batch``): sliding-window layers and the
+# recurrent layers of the hybrid targets undo each row's part of a verify alone.
+BATCHED = ["qwen3_5", "qwen3_next", "gpt_oss"]
+BATCH_PROMPTS = PROMPTS + ["hi", "A much longer prompt that runs on for a while, so that its row is longer"]
+
+
+@pytest.mark.parametrize("name", BATCHED)
+def test_rows_decoded_together_are_each_their_own_greedy_decoding(arch_pairs, name):
+    """Copies of each row's own repeats: whole blocks accepted in one row, a part or none in the others."""
+    target, drafter, tokenizer = arch_pairs[name, "repeating"]
+    settings = dict(max_tokens=MAX_TOKENS, eos_token_ids=[], block_size=16, draft_source="copy")
+    together = batch_generate(target, drafter, tokenizer, BATCH_PROMPTS, **settings)
+    for prompt, result in zip(BATCH_PROMPTS, together):
+        solo = generate(target, drafter, tokenizer, prompt, **settings)
+        assert result.tokens == solo.tokens == plain_greedy(target.model, tokenizer.encode(prompt), MAX_TOKENS)
+        assert result.acceptance == solo.acceptance  # cycle for cycle, what the row accepts alone
+    acceptances = [a for result in together for a in result.acceptance]
+    assert max(acceptances) == 15 and min(acceptances) == 0 and set(range(2, 15)) & set(acceptances)
+
+
+@pytest.mark.parametrize("name", BATCHED)
+@pytest.mark.parametrize("step_states", [True, False], ids=["per-step", "replay"])
+def test_a_row_leaves_the_batch_with_the_caches_it_had_alone(arch_pairs, name, step_states):
+    """Mid-way out of a batch, a row holds a ring for its sliding layers and its own recurrent states (taken back
+    from the per-step states the verify kept, or by rerunning the recurrence, the Metal path), and goes on alone as
+    one uninterrupted greedy run; the rows left go on exact."""
+    target, drafter, tokenizer = arch_pairs[name, "repeating"]
+    settings = dict(max_tokens=MAX_TOKENS, eos_token_ids=[], block_size=16, draft_source="copy")
+    batch, rows, ids = Batch(target), [], [tokenizer.encode(p) for p in BATCH_PROMPTS]
+    for prompt in ids:
+        row = setup(target, drafter, tokenizer, prompt, **settings).row
+        for c in row.cache.target:
+            if isinstance(c, RecurrentCache):
+                c.step_states = step_states
+        row.first(prefill(target, drafter, row.cache, prompt, 2048, lambda done, total: None))
+        batch.join(row)
+        rows.append(row)
+    emitted = [[row.last_id] for row in rows]
+    cycles = 0
+    while max(map(len, emitted)) < 60 + cycles and cycles < 100:  # until a row is a whole block ahead of another
+        for tokens, out in zip(emitted, batch.cycle()):
+            tokens.extend(out.tokens)
+        cycles += 1
+    leaving = rows[1]
+    batch.leave(leaving)
+    assert [type(c) for c in leaving.cache.target] == [type(c) for c in target.make_cache(slack=16)]
+    leaving.cache.check()
+    others = [tokens for row, tokens in zip(rows, emitted) if row is not leaving]
+    for tokens, out in zip(others, batch.cycle()):
+        tokens.extend(out.tokens)
+    history = ids[1] + emitted[1]
+    rest = [t for r in stream_generate(target, drafter, tokenizer, history, **dict(settings, max_tokens=40),
+                                       cache=leaving.cache) for t in r.tokens]
+    assert emitted[1] + rest == plain_greedy(target.model, ids[1], len(emitted[1]) + 40)
+    for prompt, tokens in zip([p for p in ids if p is not ids[1]], others):
+        assert tokens == plain_greedy(target.model, prompt, len(tokens))
+    assert max(map(len, emitted)) - min(map(len, emitted)) >= 15  # blocks were accepted, rows parted

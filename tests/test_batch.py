@@ -10,7 +10,8 @@ from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.batch import Batch, BatchPlanner, RaggedKVCache, batch_generate
+from dflash_mlx.batch import Batch, BatchPlanner, batch_generate
+from dflash_mlx.ragged import RaggedKVCache
 from dflash_mlx.caches import make_cache
 from dflash_mlx.generate import prefill, setup
 from dflash_mlx.policy import COPY, AdaptiveDepth, Plan

@@ -10,7 +10,7 @@ import httpx2 as httpx
 import pytest
 from helpers import finish, start_server
 
-from dflash_mlx import generate
+from dflash_mlx import fixtures, generate, load
 
 LONG = "the quick brown fox jumps over the lazy dog. " * 400
 
@@ -55,16 +55,9 @@ def batched(models_dir):
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
-def test_requests_in_one_batch_get_what_each_gets_alone(batched, pairs):
-    """Different prompts, budgets, stops, sampling settings and logprobs, decoding together."""
-    target, drafter, tokenizer = pairs["qwen3"]
-    bodies = {
-        "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=120, temperature=0),
-        "short": dict(prompt="The quick brown fox", max_tokens=7, temperature=0, logprobs=1),
-        "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=150, temperature=0, stop=["\n\n"]),
-        "seeded": dict(prompt="hi", max_tokens=60, temperature=0.8, seed=3),
-    }
-    got = _together(batched, bodies)
+def _each_as_alone(got: dict, bodies: dict[str, dict], pair: tuple) -> None:
+    """Every streamed answer is what ``generate`` gives its request alone: text, finish reason, logprobs."""
+    target, drafter, tokenizer = pair
     for key, body in bodies.items():
         settings = dict(max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"),
                         stop=body.get("stop"), logprobs=0 if "logprobs" in body else None)
@@ -73,6 +66,17 @@ def test_requests_in_one_batch_get_what_each_gets_alone(batched, pairs):
         assert got[key]["finish_reason"] == ("stop" if alone.finish_reason == "stop" else "length"), key
         if "logprobs" in body:
             assert got[key]["logprobs"] == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_requests_in_one_batch_get_what_each_gets_alone(batched, pairs):
+    """Different prompts, budgets, stops, sampling settings and logprobs, decoding together."""
+    bodies = {
+        "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=120, temperature=0),
+        "short": dict(prompt="The quick brown fox", max_tokens=7, temperature=0, logprobs=1),
+        "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=150, temperature=0, stop=["\n\n"]),
+        "seeded": dict(prompt="hi", max_tokens=60, temperature=0.8, seed=3),
+    }
+    _each_as_alone(_together(batched, bodies), bodies, pairs["qwen3"])
     metrics = httpx.get(f"{batched}/metrics").text
     assert "dflash_batch_rows" in metrics
 
@@ -136,3 +140,27 @@ def test_a_client_that_leaves_the_batch_leaves_the_others_exact(batched, pairs):
             break
         time.sleep(0.1)
     assert httpx.get(f"{batched}/health").json()["cancelled"] == cancelled + 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
+def test_hybrid_and_sliding_window_targets_decode_together(tmp_path, name):
+    """A hybrid target's recurrent layers and gpt-oss's sliding-window layers batch too: four requests at once, each
+    what it is alone (greedy with copies accepted, a stop, seeded sampling with logprobs)."""
+    config = fixtures.target_config(name)
+    fixtures.write_target(tmp_path / "target", config, seed=7, init_scale=0.3)  # replies that repeat: copies pay
+    fixtures.write_drafter(tmp_path / "draft", fixtures.drafter_config(config, 2, target_layer_ids=[0, 2]))
+    pair = load(str(tmp_path / "draft"), str(tmp_path / "target"))
+    proc, url = start_server(tmp_path / "draft", tmp_path / "target", "--max-batch", "4")
+    try:
+        bodies = {
+            "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=150, temperature=0),
+            "long": dict(prompt="The quick brown fox " * 30, max_tokens=120, temperature=0),
+            "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=150, temperature=0, stop=["\n"]),
+            "seeded": dict(prompt="hi", max_tokens=60, temperature=0.8, seed=3, logprobs=1),
+        }
+        _each_as_alone(_together(url, bodies), bodies, pair)
+        assert httpx.get(f"{url}/health").json()["batch"]["max"] == 4  # batched, not one at a time
+    finally:
+        proc.send_signal(2)
+        out, err = finish(proc, 30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
