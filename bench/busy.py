@@ -14,7 +14,7 @@ best of the three sources in the same round (the sources run back to back, in ro
 
 from __future__ import annotations
 
-from common import CACHE, print_machine  # re-execs with OpenBLAS first
+from common import CACHE, cpu_hogs, print_machine  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -30,7 +30,6 @@ from typing import Optional  # noqa: E402
 from dflash_mlx import replay  # noqa: E402
 
 SOURCES = ("auto", "copy", "drafter")
-HOG = "while True: pass"
 
 
 def looping_pair() -> Path:
@@ -110,13 +109,8 @@ def record_load(pair: Path, hogs: int, seconds: float, dt: float = 0.005) -> rep
         return took
 
     quiet = statistics.median(steps(5.0))
-    procs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
-    try:
+    with cpu_hogs(hogs):
         busy = steps(seconds)
-    finally:
-        for hog in procs:
-            hog.kill()
-            hog.wait()
     factors: list[float] = []
     for took in busy:
         factors += [took / quiet] * max(1, round(took / dt))
@@ -194,15 +188,10 @@ def main() -> None:
         return
     worst = {}
     for load in ("quiet", "busy"):
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs if load == "busy" else 0)]
-        try:
+        with cpu_hogs(args.hogs if load == "busy" else 0):
             for name, prompts, max_tokens in cases:
-                label = f"{name}, {load}" + (f" ({args.hogs} CPU hogs)" if hogs else "")
+                label = f"{name}, {load}" + (f" ({args.hogs} CPU hogs)" if load == "busy" else "")
                 worst[label] = report(label, rounds(pair, prompts, max_tokens, args.runs))
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
     print("\nauto / best source, worst run: " + "; ".join(f"{k} {v:.2f}" for k, v in worst.items()))
 
 

@@ -10,6 +10,7 @@ from dflash_mlx.system import blas_library, is_reference_blas, machine_descripti
 
 reexec_with_openblas()  # before any work: it may restart this process
 
+import contextlib  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -18,7 +19,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+from typing import Any, Callable, Iterator, Optional  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step, stream_generate  # noqa: E402
@@ -93,6 +94,18 @@ def plain(
     finally:
         tokenizer.eos_token_ids = eos
     return tokens, (len(tokens) - 1) / (stamps[-1] - stamps[0]), response.prompt_tps
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """``n`` busy loops (a process each) beside what runs inside: a laptop with a browser and an editor open."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in procs:
+            hog.kill()
+            hog.wait()
 
 
 def print_machine() -> dict[str, Any]:

@@ -19,16 +19,18 @@ as sized, every client's rows verified in one pass), the same server one request
 decoding), each with that many clients sending requests back to back: aggregate tok/s, decode
 tok/s per request, and time to first token p50/p95.
 
+``--hogs N`` runs that measurement beside N CPU busy loops (a machine with other work on it).
+
 With ``--join 8192`` it measures what a long prompt's prefill costs a request that arrives during
 it: its time to first token, in the long prompt's prefill chunks, batched and one at a time.
 
-    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8 [--repeats 3]]
+    python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8 [--repeats 3] [--hogs N]]
     python bench/serve.py --pair DIR --join 8192 --max-tokens 16
 """
 
 from __future__ import annotations
 
-from common import CACHE, print_machine, serve_on_free_port, start_server, stop_server  # re-execs with OpenBLAS first
+from common import CACHE, cpu_hogs, print_machine, serve_on_free_port, start_server, stop_server  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -103,6 +105,7 @@ def main() -> None:
     parser.add_argument("--tools", action="store_true", help="measure what tool and reasoning parsing cost")
     parser.add_argument("--clients", default=None, help="comma-separated client counts: measure batching")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the batching measurement")
+    parser.add_argument("--hogs", type=int, default=0, help="CPU busy loops beside the batching measurement")
     parser.add_argument("--join", type=int, default=None, metavar="TOKENS",
                         help="time to first token of a request sent during a prompt of this many tokens")
     args = parser.parse_args()
@@ -122,7 +125,10 @@ def main() -> None:
         join_during_prefill(pair, args.join, args.max_tokens)
         return
     if args.clients:
-        batching(pair, prompts, args.max_tokens, [int(c) for c in args.clients.split(",")], args.repeats)
+        with cpu_hogs(args.hogs):
+            if args.hogs:
+                print(f"under load: {args.hogs} CPU hogs (a busy loop each) run beside the servers")
+            batching(pair, prompts, args.max_tokens, [int(c) for c in args.clients.split(",")], args.repeats)
         return
     figures = {}
     for name, extra in (("dflash", []), ("plain", ["--block-size", "1"])):
