@@ -222,6 +222,34 @@ class WindowKVCache(_BaseCache):
         visible = (positions < self.sinks) | (positions >= first) | (positions > rows - self.window)
         return (positions >= 0) & visible
 
+    def history(self) -> tuple[mx.array, mx.array]:
+        """Keys and values by absolute position [B, heads, offset, dim]: the positions a query at ``offset`` or
+        later sees, the last ``window`` (and the sinks), each at its place; zeros where no such query looks."""
+        first = max(self.sinks, self.offset - self.window)
+        positions = list(range(min(self.sinks, self.offset))) + list(range(first, self.offset))
+        slots = mx.array([self._slot(p) for p in positions], dtype=mx.int32)
+        at = mx.array(positions, dtype=mx.int32)[None, None, :, None]
+
+        def placed(stored: mx.array) -> mx.array:
+            out = mx.zeros(stored.shape[:2] + (self.offset,) + stored.shape[3:], stored.dtype)
+            return mx.put_along_axis(out, at, mx.take(stored, slots, axis=2), axis=2)
+
+        return placed(self.keys), placed(self.values)
+
+    @classmethod
+    def holding(cls, keys: mx.array, values: mx.array, window: int, sinks: int = 0, slack: int = 16) -> WindowKVCache:
+        """A window over a history given by absolute position [B, heads, length, dim] (``history``'s layout): its
+        sinks and its last ``window`` positions, as if it had been written one update after another."""
+        cache, length = cls(window, sinks, slack), keys.shape[2]
+        first = max(sinks, length - window)
+        cache._grow(keys, values, cache._stored(length))
+        if sinks:
+            cache._write(keys[..., : min(sinks, length), :], values[..., : min(sinks, length), :], 0)
+        if first < length:
+            cache._write(keys[..., first:, :], values[..., first:, :], first)
+        cache.offset = length
+        return cache
+
     def is_trimmable(self) -> bool:
         return True
 

@@ -80,7 +80,7 @@ class RaggedKVCache(_BaseCache):
         if self.window is None:
             keys, values, slack = cache.keys[..., :length, :], cache.values[..., :length, :], 0
         else:
-            (keys, values), slack = _unroll(cache), cache.slack
+            (keys, values), slack = cache.history(), cache.slack
         if self.keys is None:
             shape = (0, keys.shape[1], 0, keys.shape[3])
             self.keys, self.values = mx.zeros(shape, keys.dtype), mx.zeros(shape[:3] + (values.shape[3],), values.dtype)
@@ -99,10 +99,7 @@ class RaggedKVCache(_BaseCache):
             cache = KVCache()
             cache.keys, cache.values, cache.offset = mx.contiguous(keys), mx.contiguous(values), length
         else:  # the ring holds the positions a future query sees: the last ``window``
-            cache, first = WindowKVCache(self.window, 0, slack), max(0, length - self.window)
-            cache._grow(keys, values, cache._stored(length))
-            cache._write(keys[..., first:, :], values[..., first:, :], first)
-            cache.offset = length
+            cache = WindowKVCache.holding(keys, values, self.window, slack=slack)
         keep = mx.array([i for i in range(self.keys.shape[0]) if i != row], dtype=mx.int32)
         capacity = -(-max(self.lengths, default=0) // self.step) * self.step  # a long row gone: its width goes too
         self.keys, self.values = self.keys[keep, :, :capacity], self.values[keep, :, :capacity]
@@ -120,16 +117,6 @@ class RaggedKVCache(_BaseCache):
     @property
     def state(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
-
-
-def _unroll(ring: WindowKVCache) -> tuple[mx.array, mx.array]:
-    """A sliding window's ring as keys and values by absolute position [1, heads, offset, dim]: the positions a
-    query at ``offset`` or later sees, (offset - window, offset), each at its place; zeros before them (masked)."""
-    length = ring.offset
-    first = max(0, length - ring.window)
-    slots = mx.array([ring._slot(p) for p in range(first, length)], dtype=mx.int32)
-    pad = [(0, 0), (0, 0), (first, 0), (0, 0)]
-    return (mx.pad(mx.take(ring.keys, slots, axis=2), pad), mx.pad(mx.take(ring.values, slots, axis=2), pad))
 
 
 class RaggedRecurrentCache(_BaseCache):

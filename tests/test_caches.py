@@ -112,3 +112,33 @@ def test_rollback_beyond_slack_refused():
     cache.update_and_fetch(mx.zeros((1, H, 3, D)), mx.zeros((1, H, 3, D)))
     with pytest.raises(ValueError, match="at most 4"):
         cache.trim(5)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_a_window_unrolls_to_positions_and_back(sinks):
+    """``history`` lays a ring out by position (what a batch holds of a sliding layer) and ``holding`` makes a ring
+    of that again: every position a later query sees is where it was, rolled-back writes included, so the next
+    update attends alike in both."""
+    window, slack, heads, dim = 8, 4, 2, 4
+    ring, by_position = WindowKVCache(window, sinks, slack), []
+    for step in range(20):
+        keys = mx.random.normal((1, heads, 3, dim))
+        ring.update_and_fetch(keys, keys + 1)
+        by_position.append(keys)
+        if step % 3 == 1:  # a verify that kept one of its three positions
+            ring.trim(2)
+            by_position[-1] = keys[:, :, :1]
+    full = mx.concatenate(by_position, axis=2)
+    keys, values = ring.history()
+    assert keys.shape[2] == ring.offset == full.shape[2]
+    seen = list(range(sinks)) + list(range(ring.offset - window, ring.offset))
+    assert mx.array_equal(keys[:, :, seen], full[:, :, seen]) and mx.array_equal(values[:, :, seen], full[:, :, seen] + 1)
+    back = WindowKVCache.holding(keys, values, window, sinks, slack)
+    assert back.offset == ring.offset
+    new, query = mx.random.normal((1, heads, 3, dim)), mx.random.normal((1, heads, 3, dim))
+    attended = []
+    for cache in (ring, back):
+        mask = cache.make_mask(3)
+        k, v = cache.update_and_fetch(new, new)
+        attended.append(mx.fast.scaled_dot_product_attention(query, k, v, scale=0.5, mask=mask))
+    assert mx.allclose(*attended, atol=1e-6)
