@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -149,6 +150,15 @@ class BatchPlanner:
         return out
 
 
+_planners: "weakref.WeakKeyDictionary[Target, dict[int, BatchPlanner]]" = weakref.WeakKeyDictionary()
+
+
+def batch_planner(target: Target, drafter: Any) -> BatchPlanner:
+    """The batch planner of this loaded pair, shared by its batches in this process, as ``adaptive_policy`` is by
+    its generations: the batch's cycle costs it measured (a full block of every row the dearest) carry over."""
+    return _planners.setdefault(target, {}).setdefault(id(drafter), BatchPlanner())
+
+
 @dataclass
 class BatchCycle:
     """A batch cycle the device is computing: its rows (as they were), each row's verdict, when it started, whether
@@ -166,12 +176,12 @@ class BatchCycle:
 class Batch:
     """Rows decoding together on one target: join after the prefill, a cycle for all, leave with plain caches."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, planner: Optional[BatchPlanner] = None) -> None:
         self.target = target
         self.layers = [ragged_layer(kind, target.sliding_window) for kind in target.kinds]
         self.rows: list[Row] = []
         self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
-        self.planner = BatchPlanner()
+        self.planner = BatchPlanner() if planner is None else planner
         self._planned: Optional[tuple[list[Row], list[Plan]]] = None  # the next cycle's plans, made ahead of it
         self._read_at = time.perf_counter()  # when the last cycle was read: a cycle started before waits from there
 
@@ -336,7 +346,7 @@ def batch_generate(
     handbacks = [own_policy(request.row) for request in requests]
     seen: dict[int, list[GenerationResponse]] = {id(r.row): [] for r in requests}
     by_row = {id(r.row): r for r in requests}
-    batch = Batch(target)
+    batch = Batch(target, batch_planner(target, drafter))
 
     def answered(request: Request, cycle: Emitted) -> bool:
         response = request.responder.respond(cycle)

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, generate, stream_generate
+from dflash_mlx import DFlashError, generate, load, stream_generate
 from dflash_mlx.batch import Batch, BatchPlanner, batch_generate
 from dflash_mlx.ragged import RaggedKVCache
 from dflash_mlx.caches import make_cache
@@ -228,10 +228,10 @@ def test_pipelined_plain_cycles_stay_exact_as_rows_end_in_them(pairs, monkeypatc
     assert sum(c is not None for c in followed) > 10
 
 
-def test_what_the_rows_learned_carries_over_to_the_next_generation(pairs):
+def test_what_the_rows_learned_carries_over_to_the_next_generation(models_dir):
     """Each row decodes with a copy of the shared policy; when it ends, what it measured goes back, as a solo
     generation's policy carries over: the next request does not warm up again."""
-    target, drafter, tokenizer = pairs["qwen3"]
+    target, drafter, tokenizer = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"))  # a fresh planner
     policy = AdaptiveDepth(15)
     assert not policy.costs.ready
     batch_generate(target, drafter, tokenizer, PROMPTS, max_tokens=40, eos_token_ids=[], policy=policy)
@@ -247,3 +247,15 @@ def test_a_batch_decodes_plainly_where_its_drafts_do_not_pay(pairs):
         assert result.tokens == plain_greedy(target.model, tokenizer.encode(prompt), MAX_TOKENS)
     plain = sum(d == 0 for r in results for d in r.drafted)
     assert plain > 0.8 * sum(len(r.drafted) for r in results)
+
+
+def test_what_the_batch_planner_measured_carries_over_to_the_next_call(models_dir):
+    """The planner's first batch measures a full block of every row (the dearest cycle of a batch); the next call of
+    the same loaded pair starts from what it measured, as a generation starts from the shared adaptive policy."""
+    target, drafter, tokenizer = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"))  # a fresh planner
+    first = batch_generate(target, drafter, tokenizer, MANY, max_tokens=24, eos_token_ids=[])
+    again = batch_generate(target, drafter, tokenizer, MANY, max_tokens=24, eos_token_ids=[])
+    assert all(r.drafted[0] == 15 for r in first)  # the first cycle: a full block, every row
+    assert all(r.drafted[0] < 15 for r in again)
+    for prompt, result in zip(MANY, again):
+        assert result.tokens == plain_greedy(target.model, tokenizer.encode(prompt), 24)

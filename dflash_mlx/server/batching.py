@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from ..batch import Batch, BatchCycle, own_policy
+from ..batch import Batch, BatchCycle, batch_planner, own_policy
 from ..caches import make_cache
 from ..errors import DFlashError
 from ..generate import Emitted, Request, prefill_steps, setup
@@ -52,7 +52,7 @@ class BatchRunner:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.batch = Batch(engine.target)
+        self.batch = Batch(engine.target, batch_planner(engine.target, engine.drafter))
         self.active: list[Active] = []
         self.flight: Optional[BatchCycle] = None  # the cycle the device is computing
         self.leaving: list[tuple[Active, bool]] = []  # rows in flight that end (cancelled or not) once it is read
