@@ -113,10 +113,27 @@ def test_one_at_a_time_keeps_the_queue_in_order(models_dir, pairs):
         finish(proc, 30)
 
 
-def test_a_client_that_leaves_the_batch_leaves_the_others_exact(batched, pairs):
-    """One of three streams is dropped after its first pieces: the other two finish as they would alone, and the
-    dropped request is counted as cancelled."""
-    target, drafter, tokenizer = pairs["qwen3"]
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A served Qwen3.5-layout target (GatedDeltaNet and full attention) whose replies repeat (copies pay), and its
+    pair loaded here: (URL, pair)."""
+    root = tmp_path_factory.mktemp("hybrid")
+    config = fixtures.target_config("qwen3_5")
+    fixtures.write_target(root / "target", config, seed=7, init_scale=0.3)
+    fixtures.write_drafter(root / "draft", fixtures.drafter_config(config, 2, target_layer_ids=[0, 2]))
+    proc, url = start_server(root / "draft", root / "target", "--max-batch", "4")
+    yield url, load(str(root / "draft"), str(root / "target"))
+    proc.send_signal(2)
+    out, err = finish(proc, 30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("served", ["batched", "hybrid"])
+def test_a_client_that_leaves_the_batch_leaves_the_others_exact(request, pairs, served):
+    """One of three streams is dropped after its first pieces: the other two finish as they would alone (a hybrid's
+    recurrent states of the others untouched by the row undone), and the dropped request is counted as cancelled."""
+    batched, (target, drafter, tokenizer) = ((request.getfixturevalue("batched"), pairs["qwen3"]) if served == "batched"
+                                             else request.getfixturevalue("hybrid"))
     cancelled = httpx.get(f"{batched}/health").json()["cancelled"]
     prompts = {"a": "def fibonacci(n):\n    return", "b": "The quick brown fox"}
     got: dict = {}
@@ -142,24 +159,23 @@ def test_a_client_that_leaves_the_batch_leaves_the_others_exact(batched, pairs):
     assert httpx.get(f"{batched}/health").json()["cancelled"] == cancelled + 1
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "gpt_oss"])
-def test_hybrid_and_sliding_window_targets_decode_together(tmp_path, name):
+def test_hybrid_and_sliding_window_targets_decode_together(hybrid, tmp_path):
     """A hybrid target's recurrent layers and gpt-oss's sliding-window layers batch too: four requests at once, each
     what it is alone (greedy with copies accepted, a stop, seeded sampling with logprobs)."""
-    config = fixtures.target_config(name)
+    config = fixtures.target_config("gpt_oss")
     fixtures.write_target(tmp_path / "target", config, seed=7, init_scale=0.3)  # replies that repeat: copies pay
     fixtures.write_drafter(tmp_path / "draft", fixtures.drafter_config(config, 2, target_layer_ids=[0, 2]))
-    pair = load(str(tmp_path / "draft"), str(tmp_path / "target"))
     proc, url = start_server(tmp_path / "draft", tmp_path / "target", "--max-batch", "4")
+    bodies = {
+        "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=150, temperature=0),
+        "long": dict(prompt="The quick brown fox " * 30, max_tokens=120, temperature=0),
+        "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=150, temperature=0, stop=["\n"]),
+        "seeded": dict(prompt="hi", max_tokens=60, temperature=0.8, seed=3, logprobs=1),
+    }
     try:
-        bodies = {
-            "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=150, temperature=0),
-            "long": dict(prompt="The quick brown fox " * 30, max_tokens=120, temperature=0),
-            "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=150, temperature=0, stop=["\n"]),
-            "seeded": dict(prompt="hi", max_tokens=60, temperature=0.8, seed=3, logprobs=1),
-        }
-        _each_as_alone(_together(url, bodies), bodies, pair)
-        assert httpx.get(f"{url}/health").json()["batch"]["max"] == 4  # batched, not one at a time
+        for served, pair in [(url, load(str(tmp_path / "draft"), str(tmp_path / "target"))), hybrid]:
+            _each_as_alone(_together(served, bodies), bodies, pair)
+            assert httpx.get(f"{served}/health").json()["batch"]["max"] == 4  # batched, not one at a time
     finally:
         proc.send_signal(2)
         out, err = finish(proc, 30)
