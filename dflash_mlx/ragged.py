@@ -7,7 +7,8 @@ rows diverge: no padding shifts, no copies of the history.
 
 - ``RaggedKVCache``: an attention layer's keys and values by absolute position, full
   attention or a sliding window (the window is the mask's: the row's whole history stays,
-  so a row that joins with a ring of the last positions leaves with one).
+  attention reads from the shortest row's window on; a row that joins with a ring of the
+  last positions leaves with one).
 - ``RaggedRecurrentCache``: a GatedDeltaNet layer's conv and SSM states, a row each;
   a row takes back the tail of the last update from the states the verify computed.
 
@@ -51,25 +52,31 @@ class RaggedKVCache(_BaseCache):
         self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write each row's ``N`` new positions after its own history; every row's keys up to the longest."""
-        n = keys.shape[2]
+        """Write each row's ``N`` new positions after its own history; every row's keys up to the longest (from the
+        first any of them can see)."""
+        n, first = keys.shape[2], self._first()
         end = max(self.lengths) + n
         self._capacity(end)
         for i, length in enumerate(self.lengths):
             self.keys[i : i + 1, :, length : length + n] = keys[i : i + 1]
             self.values[i : i + 1, :, length : length + n] = values[i : i + 1]
         self.lengths = [length + n for length in self.lengths]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self.keys[..., first:end, :], self.values[..., first:end, :]
+
+    def _first(self) -> int:
+        """The first position any row's next block can see: 0, or for a windowed layer the oldest position still in
+        the shortest row's window (rows of like lengths, a shared prompt's subagents, attend a window, not all)."""
+        return 0 if self.window is None else max(0, min(self.lengths) - self.window + 1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> Any:
         """[rows, 1, N, T]: a row's new position q sees its history and its block up to q (within the window),
-        nothing past them."""
+        nothing past them; T the keys ``update_and_fetch`` returns."""
         window = self.window if window_size is None else min(window_size, self.window or window_size)
         if len(self.lengths) == 1 and window is None:  # one row: the plain causal mask (none for one query),
             return "causal" if N > 1 else None  # as a solo cache gives
         lengths = mx.array(self.lengths)[:, None, None, None]
         queries = lengths + mx.arange(N)[None, None, :, None]
-        keys = mx.arange(max(self.lengths) + N)[None, None, None, :]
+        keys = mx.arange(self._first(), max(self.lengths) + N)[None, None, None, :]
         visible = keys <= queries
         return visible if window is None else visible & (keys > queries - window)
 

@@ -12,7 +12,7 @@ from helpers import plain_greedy
 from dflash_mlx import DFlashError, generate, load, stream_generate
 from dflash_mlx.batch import Batch, BatchPlanner, batch_generate
 from dflash_mlx.ragged import RaggedKVCache
-from dflash_mlx.caches import make_cache
+from dflash_mlx.caches import WindowKVCache, make_cache
 from dflash_mlx.generate import prefill, setup
 from dflash_mlx.policy import COPY, AdaptiveDepth, Plan
 from dflash_mlx.repeats import Repeats
@@ -259,3 +259,28 @@ def test_what_the_batch_planner_measured_carries_over_to_the_next_call(models_di
     assert all(r.drafted[0] < 15 for r in again)
     for prompt, result in zip(MANY, again):
         assert result.tokens == plain_greedy(target.model, tokenizer.encode(prompt), 24)
+
+
+def test_a_windowed_layer_attends_each_row_as_its_ring_does():
+    """Rows of a sliding-window layer joined from their rings: a block attends in the batch exactly as in each row's
+    own ring, and the keys handed to attention start at the shortest row's window, not at position 0."""
+    window, heads, dim, block = 8, 2, 4, 3
+    rings, layer = [], RaggedKVCache(window)
+    for length in (20, 25, 23):
+        ring = WindowKVCache(window, 0, slack=4)
+        for start in range(0, length, 5):
+            k = mx.random.normal((1, heads, min(5, length - start), dim))
+            ring.update_and_fetch(k, -k)
+        rings.append(ring)
+        layer.append(ring)
+    new, query = mx.random.normal((3, heads, block, dim)), mx.random.normal((3, heads, block, dim))
+    mask = layer.make_mask(block)
+    keys, values = layer.update_and_fetch(new, new)
+    assert keys.shape[2] == 25 + block - (20 - window + 1)  # from position 13: the shortest row's window
+    together = mx.fast.scaled_dot_product_attention(query, keys, values, scale=0.5, mask=mask)
+    for i, ring in enumerate(rings):
+        mask = ring.make_mask(block)
+        k, v = ring.update_and_fetch(new[i : i + 1], new[i : i + 1])
+        alone = mx.fast.scaled_dot_product_attention(query[i : i + 1], k, v, scale=0.5, mask=mask)
+        assert mx.allclose(together[i : i + 1], alone, atol=1e-5)
+    assert isinstance(layer.pop(1), WindowKVCache) and layer.lengths == [23, 26]
