@@ -107,7 +107,7 @@ class RaggedKVCache(_BaseCache):
             cache.keys, cache.values, cache.offset = mx.contiguous(keys), mx.contiguous(values), length
         else:  # the ring holds the positions a future query sees: the last ``window``
             cache = WindowKVCache.holding(keys, values, self.window, slack=slack)
-        keep = mx.array([i for i in range(self.keys.shape[0]) if i != row], dtype=mx.int32)
+        keep = _others(row, self.keys.shape[0])
         capacity = -(-max(self.lengths, default=0) // self.step) * self.step  # a long row gone: its width goes too
         self.keys, self.values = self.keys[keep, :, :capacity], self.values[keep, :, :capacity]
         return cache
@@ -184,7 +184,7 @@ class RaggedRecurrentCache(_BaseCache):
         cache = RecurrentCache(self.slacks.pop(row), self.step_states)
         cache.cache = [mx.contiguous(a[row : row + 1]) for a in self.cache]
         cache.offset = self.lengths.pop(row)
-        keep = mx.array([i for i in range(self.cache[0].shape[0]) if i != row], dtype=mx.int32)
+        keep = _others(row, self.cache[0].shape[0])
         self.cache = [a[keep] if self.lengths else None for a in self.cache]
         self.replay, self.last_update = None, 0
         return cache
@@ -196,6 +196,11 @@ class RaggedRecurrentCache(_BaseCache):
     @property
     def state(self) -> list[mx.array]:
         return [a for a in self.cache if a is not None]
+
+
+def _others(row: int, rows: int) -> mx.array:
+    """The indices of every row but ``row``: what stays when it leaves."""
+    return mx.array([i for i in range(rows) if i != row], dtype=mx.int32)
 
 
 def _with_row(whole: mx.array, row: int, part: mx.array) -> mx.array:
