@@ -276,17 +276,19 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
 @app.command()
 @user_errors
 def convert(
-    source: str = typer.Argument(..., help="Drafter: registry name, Hub repo id or folder."),
-    out: str = typer.Option(..., "--out", "-o", help="Bundle folder to write."),
+    source: str = typer.Argument(..., help="Drafter (registry name, Hub repo id or folder), or a .gguf model file."),
+    out: str = typer.Option(..., "--out", "-o", help="Bundle folder to write (a model folder, for a .gguf)."),
     target: Optional[str] = TARGET,
     quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="Target quantization: 4bit, 8bit, mixed_4_6, ..."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float dtype: bfloat16, float16 or float32."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float dtype: bfloat16, float16 or float32 (a .gguf: "
+                                                               "dequantize every tensor to it)."),
     draft_quantize: str = typer.Option("none", "--draft-quantize", help="Drafter quantization: none, 8bit or 4bit."),
     quantize_fc: bool = typer.Option(False, "--quantize-fc", help="With --draft-quantize: quantize fc too."),
     force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
 ) -> None:
-    """Convert a drafter and its target into one offline MLX bundle (optionally quantized)."""
+    """Convert a drafter and its target into one offline MLX bundle (optionally quantized), or a GGUF file
+    (llama.cpp, Ollama, LM Studio) into an mlx-lm model folder for --target, alone, or `dflash-mlx train`."""
     from .convert import convert as run
     from .convert import summary
 

@@ -118,6 +118,17 @@ def convert(
     out_path = Path(out).expanduser().resolve()
     if out_path.exists() and not force:
         raise DFlashError(f"{out_path} already exists; pass --force to replace it")
+    local = Path(source).expanduser()
+    if local.is_file():
+        from .from_gguf import is_gguf
+
+        if not is_gguf(local):
+            raise DFlashError(f"{source} is a file but not a GGUF model; convert takes a .gguf file, a drafter "
+                              "(registry name, repo or folder) or a bundle")
+        if target is not None:
+            raise DFlashError("--target is for a drafter; a GGUF file converts alone (train a drafter for it with "
+                              "`dflash-mlx train`)")
+        return convert_gguf(local, out_path, quantize, q_group_size, dtype, log)
     draft, target, _ = registry_resolve(source, target)
     if target is None:
         local = Path(draft).expanduser()
@@ -129,16 +140,7 @@ def convert(
     target_path = resolve(target, "target")
     drafter = _check_pair(target_path, draft_path)
 
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DFlashError(f"cannot create {out_path.parent}: {e.strerror or e}") from None
-    need = _estimate(target_path, draft_path, quantize, dtype)
-    free = shutil.disk_usage(out_path.parent).free
-    if need * 1.1 > free:
-        raise DFlashError(f"not enough disk space in {out_path.parent}: need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", suffix=".partial", dir=out_path.parent))
+    tmp = _workspace(out_path, _estimate(target_path, draft_path, quantize, dtype))
     try:
         log("converting the target with mlx-lm" + (f" ({quantize})" if quantize else ""))
         from mlx_lm.convert import convert as mlx_convert
@@ -165,17 +167,7 @@ def convert(
             "dflash_mlx": __version__,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; a bundle gets the usual permissions
-        if out_path.exists():  # --force: swap only once the new bundle is complete
-            old = out_path.with_name(f".{out_path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_path.rename(old)
-            tmp.rename(out_path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_path)
+        _publish(tmp, out_path)
     except OSError as e:
         raise DFlashError(f"convert failed writing {out_path} ({e.strerror or e}); nothing was written") from None
     except ValueError as e:  # mlx-lm reports bad inputs this way
@@ -183,6 +175,59 @@ def convert(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     remember_bundle(out_path)
+    return out_path
+
+
+def _publish(tmp: Path, out_path: Path) -> None:
+    """Move the finished folder ``tmp`` to ``out_path``; an existing one (--force) is swapped out only now."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the output gets the usual permissions
+    if out_path.exists():
+        old = out_path.with_name(f".{out_path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out_path.rename(old)
+        tmp.rename(out_path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_path)
+
+
+def _workspace(out_path: Path, need: int) -> Path:
+    """A private temporary folder beside ``out_path``, once the disk is known to hold ``need`` bytes."""
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot create {out_path.parent}: {e.strerror or e}") from None
+    free = shutil.disk_usage(out_path.parent).free
+    if need * 1.1 > free:
+        raise DFlashError(f"not enough disk space in {out_path.parent}: need ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+    return Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", suffix=".partial", dir=out_path.parent))
+
+
+def convert_gguf(
+    source: Path,
+    out_path: Path,
+    quantize: Optional[str] = None,
+    q_group_size: int = 64,
+    dtype: Optional[str] = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> Path:
+    """Write the GGUF file ``source`` as an mlx-lm model folder at ``out_path`` (see ``from_gguf``)."""
+    from .from_gguf import GGUF, write_model
+
+    gguf = GGUF(source)
+    size = source.stat().st_size
+    scale = {"float32": 8.0, "float16": 4.0, "bfloat16": 4.0}.get(dtype or "", 1.0)  # from ~4.5 bits a weight
+    need = int(size * ((QUANT_BITS.get(quantize or "", 6) + 1) / 4.5 if quantize else scale))
+    tmp = _workspace(out_path, need)
+    try:
+        write_model(gguf, tmp, quantize, QUANT_BITS.get(quantize or ""), q_group_size, dtype, log)
+        _publish(tmp, out_path)
+    except OSError as e:
+        raise DFlashError(f"convert failed writing {out_path} ({e.strerror or e}); nothing was written") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_path
 
 
@@ -203,8 +248,10 @@ def _parameter_count(folder: Path) -> int:
 
 
 def summary(bundle: Path) -> str:
-    """One line: the bundle's size on disk and the target's bits per weight."""
+    """One line: the bundle's size on disk and the target's bits per weight (a model folder: its size)."""
     size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    if not (bundle / MANIFEST).is_file():
+        return f"{bundle}: an mlx-lm model, {size / 1e9:.2f} GB on disk"
     params = json.loads((bundle / MANIFEST).read_text()).get("target_parameters")
     bits = f", target at {8 * _weights_bytes(bundle / 'target') / params:.2f} bits per weight" if params else ""
     return f"{bundle}: {size / 1e9:.2f} GB on disk{bits}"
