@@ -468,7 +468,10 @@ def _end_bench(measured: int, planned: int, interrupted: bool, lossless: Optiona
 def train(
     target: str = typer.Argument(..., help="Target to train a drafter for: repo id or folder."),
     out: str = typer.Option(..., "--out", "-o", help="Folder for the drafter (z-lab layout) and its checkpoint."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL of prompts \\[default: a small built-in set]."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL of prompts \\[default: built-in chat, code "
+                                                                  "and math prompts]."),
+    prompt_count: int = typer.Option(600, "--prompt-count", help="Built-in prompts to use (without --prompts)."),
+    reply_tokens: int = typer.Option(128, "--reply-tokens", help="Longest reply the target writes per prompt."),
     layers: int = typer.Option(1, "--layers", help="Draft layers."),
     block_size: int = typer.Option(16, "--block-size", help="Block size to train for."),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read."),
@@ -489,7 +492,8 @@ def train(
     budget = duration(time_budget) if time_budget else None
     with training_progress(err, budget) as show:
         try:
-            result = run(target, out, prompts=prompts, layers=layers, block_size=block_size, target_layer_ids=ids,
+            result = run(target, out, prompts=prompts, prompt_count=prompt_count, response_tokens=reply_tokens,
+                         layers=layers, block_size=block_size, target_layer_ids=ids,
                          steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
         except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
             _training_interrupted(out)

@@ -43,7 +43,7 @@ def _clock(seconds: Optional[float]) -> str:
 
 @contextlib.contextmanager
 def training_progress(console: Console, budget: Optional[float]) -> Iterator[Callable[[dict[str, Any]], None]]:
-    """A bar per phase of train() (generate, train, eval), fed its progress events; ``budget``: seconds of --time."""
+    """A bar per phase of train() (generate, features, train, eval), fed its progress events; ``budget``: seconds of --time."""
     # The texts never wrap; the bar takes the width left over, so "step N/total" and the time fit in 80 columns.
     bar = Progress(_text("{task.description}"), _text("{task.fields[count]}"), BarColumn(bar_width=None),
                    _text("{task.fields[time]}"), _text("{task.fields[info]}"), console=console, transient=True)
@@ -66,7 +66,7 @@ def training_progress(console: Console, budget: Optional[float]) -> Iterator[Cal
                 count, timing = f"step {step}", f"{_clock(spent)} elapsed, {_clock(max(0.0, budget - spent))} left"
             info = f"loss {event['loss']:.3f} | {event['tokens_per_s']:.0f} tok/s"
             bar.update(task, completed=event["progress"], count=count, time=timing, info=info)
-        else:  # generate, eval: rich estimates the time left from the pace so far
+        else:  # generate, features, eval: rich estimates the time left from the pace so far
             bar.update(task, completed=event["done"], count=f"{event['done']}/{event['total']}")
             bar.update(task, time=f"ETA {_clock(bar.tasks[task].time_remaining)}")
 

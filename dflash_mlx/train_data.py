@@ -1,6 +1,6 @@
 """The training corpus: prompts read and split once into training and held-out sets, and the data cache.
 
-Prompts come from a JSONL file or the built-in list. The target's replies to the training
+Prompts come from a JSONL file or the built-in set (``train_prompts``). The target's replies to the training
 prompts are cached with the prompt ids in ``OUT/data.json`` under a key naming everything they
 depend on, so a resumed run never regenerates them. The replies themselves come from the
 caller (``train.respond`` runs the target): this module runs no model.
@@ -25,34 +25,6 @@ if TYPE_CHECKING:
 
 Prompt = Union[str, list[dict[str, str]]]
 Sequences = list[tuple[list[int], list[int]]]  # (prompt ids, response ids) pairs
-
-BUILTIN_PROMPTS: tuple[str, ...] = (
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-    "Implement binary search in JavaScript and explain its complexity.",
-    "What does the `git rebase` command do, and when should I avoid it?",
-    "Write a bash one-liner that counts the lines of every .py file in a directory tree.",
-    "Write a C function that reverses a linked list in place.",
-    "How do I read a CSV file with pandas and compute the mean of one column?",
-    "Solve for x: 3x + 7 = 22. Show each step.",
-    "A train travels 180 km in 2.5 hours. What is its average speed in km/h?",
-    "What is the derivative of x^3 * sin(x)?",
-    "Prove that the sum of two even numbers is even.",
-    "If a shirt costs $40 after a 20% discount, what was the original price?",
-    "How many ways can 5 books be arranged on a shelf?",
-    "Compute the integral of 1/(1 + x^2) from 0 to 1.",
-    "Give me three tips for staying focused while working from home.",
-    "Write a short, friendly email declining a meeting invitation.",
-    "Summarise the causes of the French Revolution in a paragraph.",
-    "What are the main differences between a cold and the flu?",
-    "Suggest a three-day itinerary for a first visit to Rome.",
-    "Write a haiku about autumn rain.",
-    "Explain how photosynthesis works to a ten-year-old.",
-    "What is the capital of Australia, and why was it chosen?",
-    "Translate 'Where is the nearest train station?' into French and Spanish.",
-)
-
 
 def _parse_prompt(row: Any, where: str) -> Prompt:
     if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
@@ -120,22 +92,34 @@ def data_key(prompts: Sequence[Prompt], eval_prompts: int, seed: int, response_t
     }
 
 
+REPLY_KEYS = ("response_tokens", "target")  # what a reply depends on besides its prompt
+
+
 def prepare_data(
     out: Path, tokenizer: Any, train_prompts: list[Prompt], held_out: list[Prompt], key: dict[str, Any],
     answer: Callable[[list[list[int]]], list[list[int]]],
 ) -> dict[str, Any]:
     """Training sequences (prompt and response ids) and held-out prompt ids, cached in OUT/data.json.
 
-    ``key`` names everything the data depends on; a cache made under another key is remade.
-    ``answer`` gives the target's replies to prompt ids, the slow part: it runs on a cache miss only.
+    ``key`` names everything the data depends on. A cache made under another key is remade, but
+    the replies it holds are kept where what a reply depends on is the same (``REPLY_KEYS``):
+    adding prompts to a run, or splitting them anew, costs the new prompts' replies only. ``answer`` gives the target's replies
+    to prompt ids, the slow part: it runs on what the cache lacks only.
     """
     path = out / "data.json"
-    if path.is_file():
+    known: dict[tuple[int, ...], list[int]] = {}
+    try:
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
             return cached
+        if all(cached["key"].get(k) == key.get(k) for k in REPLY_KEYS):
+            known = {tuple(s["prompt"]): s["response"] for s in cached["train"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or damaged: made again
+        pass
     ids = [encode(tokenizer, p) for p in train_prompts]
-    train = [{"prompt": p, "response": r} for p, r in zip(ids, answer(ids))]
+    missing = [p for p in ids if tuple(p) not in known]
+    known.update(zip(map(tuple, missing), answer(missing) if missing else []))
+    train = [{"prompt": p, "response": known[tuple(p)]} for p in ids]
     data = {"key": key, "train": train, "eval": [encode(tokenizer, p) for p in held_out]}
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(data))

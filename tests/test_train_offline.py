@@ -1,0 +1,158 @@
+"""Offline training's parts: the feature store, the loss's sub-head and the built-in prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash_mlx import fixtures
+from dflash_mlx.drafter import Drafter, DrafterArgs
+from dflash_mlx.drafter_init import draft_config
+from dflash_mlx.loader import load_target
+from dflash_mlx.train import Head, _feature_target, block_loss, make_batch, position_weights
+from dflash_mlx.train_data import prepare_data
+from dflash_mlx.train_features import FEATURES, INDEX, feature_store
+from dflash_mlx.train_prompts import _evaluation_prompts, synthetic_prompts
+
+
+@pytest.fixture(scope="module")
+def target_path(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("offline")
+    return fixtures.write_target(root / "t", fixtures.target_config("qwen3", num_hidden_layers=4), seed=0)
+
+
+def load(path: Path, quantized: bool = False):
+    model, _ = load_target(path)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=8)
+    return _feature_target(model, 2, [1, 3])
+
+
+@pytest.fixture(scope="module")
+def target(target_path):
+    return load(target_path)
+
+
+def sequences(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, 300, 5 + i).tolist(), rng.integers(0, 300, 20 + 3 * i).tolist()) for i in range(n)]
+
+
+def test_features_are_computed_once_and_equal_the_targets_own(target, tmp_path):
+    seqs, key = sequences(4), {"data": 1}
+    events: list[dict] = []
+    store = feature_store(tmp_path, target, seqs, key, events.append)
+    assert [e["done"] for e in events if e["phase"] == "features"] == [1, 2, 3, 4]
+    for i, (p, r) in enumerate(seqs):
+        _, want = target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)
+        np.testing.assert_allclose(np.array(store[i]), np.array(want[0]), rtol=2e-3, atol=2e-3)  # kept in float16
+    events.clear()
+    again = feature_store(tmp_path, target, seqs, key, events.append)
+    assert not events, "a matching store is read back, not computed again"
+    np.testing.assert_array_equal(np.array(again[3]), np.array(store[3]))
+
+
+@pytest.mark.parametrize("spoil", ["other data", "other sequences", "truncated", "garbage index"])
+def test_a_store_of_other_data_or_a_damaged_one_is_made_again(target, tmp_path, spoil):
+    seqs, key = sequences(3), {"data": 1}
+    feature_store(tmp_path, target, seqs, key, lambda e: None)
+    if spoil == "other data":
+        key = {"data": 2}
+    elif spoil == "other sequences":
+        seqs = sequences(3, seed=1)
+    elif spoil == "truncated":
+        path = tmp_path / FEATURES
+        path.write_bytes(path.read_bytes()[:-64])
+    else:
+        (tmp_path / INDEX).write_text("{not json")
+    events: list[dict] = []
+    store = feature_store(tmp_path, target, seqs, key, events.append)
+    assert len([e for e in events if e["phase"] == "features"]) == 3
+    p, r = seqs[2]
+    _, want = target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)
+    np.testing.assert_allclose(np.array(store[2]), np.array(want[0]), rtol=2e-3, atol=2e-3)
+    assert json.loads((tmp_path / INDEX).read_text())["data"] == key
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_sub_head_scores_as_the_full_head_does_on_its_tokens(target_path, quantized, monkeypatch):
+    """Its logits are the full head's at its tokens; over the whole vocabulary its loss is the full loss,
+    and over fewer tokens the loss can only be lower (fewer competitors in the softmax)."""
+    target = load(target_path, quantized)
+    seqs = sequences(3)
+    head = Head.of(target, seqs)
+    ids = np.unique(np.concatenate([p + r for p, r in seqs]))
+    h = mx.random.normal((5, target.hidden_size))
+    np.testing.assert_allclose(np.array(h @ head.rows.T), np.array(target.lm_head(h)[:, mx.array(ids)]), rtol=1e-4, atol=1e-4)
+
+    config = draft_config(target, 2, 8, target.layer_ids, 7)
+    drafter = Drafter(DrafterArgs.from_dict(config))
+    feats = [target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)[1][0] for p, r in seqs]
+    batch = make_batch(target, seqs, feats, np.random.default_rng(0), 4, 8, 7)
+    weights = position_weights(8)
+    full = block_loss(drafter, target, batch, weights, None).item()
+    everything = Head.of(target, [(list(range(target.vocab_size)), [])])
+    assert block_loss(drafter, target, batch, weights, everything).item() == pytest.approx(full, rel=1e-4)
+    assert block_loss(drafter, target, batch, weights, head).item() < full
+
+    # The sampled others stand for all the others: the loss with them is the full loss, nearly; without, lower.
+    kept_only = block_loss(drafter, target, batch, weights, head).item()
+    monkeypatch.setattr("dflash_mlx.train.NEGATIVES", 64)  # a sample of the others, as on a real vocabulary
+    rng = np.random.default_rng(0)
+    estimates = []
+    for _ in range(8):
+        batch.negatives = head.sample(rng)
+        estimates.append(block_loss(drafter, target, batch, weights, head).item())
+    assert abs(np.mean(estimates) - full) < 0.25 * abs(kept_only - full)
+    drawn = rng.choice(head.others, size=5, replace=False)
+    np.testing.assert_allclose(np.array(head.weight(mx.array(drawn)) @ h.T).T,
+                               np.array(target.lm_head(h)[:, mx.array(drawn)]), rtol=1e-4, atol=1e-4)
+
+
+def test_built_in_prompts_mix_code_math_and_chat_and_leave_the_evaluation_sets_alone():
+    prompts = synthetic_prompts(600, seed=0)
+    assert len(prompts) == 600 == len(set(prompts))
+    assert prompts == synthetic_prompts(600, seed=0) and prompts != synthetic_prompts(600, seed=1)
+    assert not set(prompts) & _evaluation_prompts()
+    code = sum("function" in p for p in prompts)
+    math = sum(any(c.isdigit() for c in p) and "function" not in p for p in prompts)
+    assert code >= 150 and math >= 150 and len(prompts) - code - math >= 150
+    from dflash_mlx.bench import humaneval_problems
+
+    try:
+        humaneval = {p.prompt.strip() for p in humaneval_problems()}
+    except ImportError:
+        humaneval = set()
+    assert not set(prompts) & humaneval
+
+
+def test_replies_already_generated_are_kept_when_prompts_are_added(target_path, tmp_path):
+    _, tokenizer = load_target(target_path)
+    asked: list[list[int]] = []
+
+    def answer(ids: list[list[int]]) -> list[list[int]]:
+        asked.extend(ids)
+        return [[len(p)] * 3 for p in ids]
+
+    key = {"prompts": "first", "seed": 0, "response_tokens": 8}
+    first = prepare_data(tmp_path, tokenizer, ["alpha", "beta", "gamma"], ["held"], key, answer)
+    assert len(asked) == 3
+    asked.clear()
+    second = prepare_data(tmp_path, tokenizer, ["alpha", "gamma", "delta"], ["held"], dict(key, prompts="second"),
+                          answer)
+    assert len(asked) == 1, "only the new prompt is answered"
+    assert second["train"][0] == first["train"][0] and second["train"][1] == first["train"][2]
+    asked.clear()
+    prepare_data(tmp_path, tokenizer, ["alpha", "gamma"], ["beta"], dict(key, seed=1), answer)
+    assert not asked, "another split keeps the replies"
+    prepare_data(tmp_path, tokenizer, ["alpha"], ["held"], dict(key, response_tokens=9), answer)
+    assert len(asked) == 1, "another reply length (or target) answers again"
+    (tmp_path / "data.json").write_text('{"key": ')
+    asked.clear()
+    prepare_data(tmp_path, tokenizer, ["alpha", "beta"], ["held"], key, answer)
+    assert len(asked) == 2, "a damaged cache is made again"
