@@ -135,8 +135,10 @@ def test_make_chat_passes_the_model_and_its_target():
     run = subprocess.run(["make", "-n", "-C", str(ROOT), "chat", "MODEL=some/bundle", "TARGET=some/target"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "dflash-mlx chat some/bundle --target some/target" in run.stdout, run.stdout
-    assert "bench/build_pair.py" in subprocess.run(["make", "-n", "-C", str(ROOT), "pair"], capture_output=True,
-                                                   text=True, timeout=60).stdout
+    def make(target: str) -> str:
+        return subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True, text=True, timeout=60).stdout
+
+    assert "bench/real_pair.py" in make("pair") and "bench/build_pair.py --quick" in make("pair-quick")
 
 
 def test_the_library_renders_and_refuses_the_same_as_the_commands(models_dir, base_model):

