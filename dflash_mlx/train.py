@@ -550,6 +550,8 @@ def train(
     """
     steps = _check_args(layers, block_size, target_layer_ids, steps, time_budget, lr, batch_size, anchors,
                         response_tokens, eval_prompts, checkpoint_every)
+    if prompts is None and prompt_count < 1:
+        raise DFlashError(f"--prompt-count must be >= 1, got {prompt_count}")
     report = progress or (lambda info: None)
     out_dir = Path(out).expanduser()
     _check_output(out_dir, resume)

@@ -296,6 +296,8 @@ def _bad_target(root: Path, kind: str) -> str:
         ("bad-line", "line 2 is not valid JSON"),
         ("bad-row", 'line 1: expected {"prompt"'),
         ("layers", "layers must be >= 1"),
+        ("prompt-count", "--prompt-count must be >= 1"),
+        ("too-many-prompts", "the built-in set has"),
         ("block", "--block-size must be >= 2"),
         ("budgets", "either steps or time_budget"),
         ("no-resume", "add --resume to continue it"),
@@ -316,6 +318,8 @@ def test_bad_input_is_one_clear_error(case, message, workdir, trained):
         kwargs["prompts"] = str(workdir / f"{case}.jsonl")
     elif case == "layers":
         kwargs["layers"] = 0
+    elif case in ("prompt-count", "too-many-prompts"):
+        kwargs["prompt_count"] = -3 if case == "prompt-count" else 100_000
     elif case == "block":
         kwargs["block_size"] = 1
     elif case == "budgets":
