@@ -9,7 +9,7 @@ alternating A1, B1, A2, B2 as agents and chat apps send them, streamed
 - after a restart: A2 from the cache on disk (``--prompt-cache-dir``), and A2 cold;
 - the disk's bytes per 1,000 cached tokens.
 
-    python bench/prompt_cache.py [--system-tokens 4096] [--hidden 1024] [--layers 8]
+    python bench/prompt_cache.py [--system-tokens 4096] [--hidden 1024] [--layers 8] [--pair DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import httpx2 as httpx  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 TEXT = ("Answer in the voice of a careful engineer who checks every number twice and explains each step of the "
         "reasoning before the result, citing the measurement that supports it. ")
@@ -52,11 +53,14 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=4096, help="about this many tokens of system prompt each")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--pair", type=Path, default=None,
+                        help="a folder with draft/ and target/ (e.g. bench/.cache/smollm2) instead of a random pair")
     args = parser.parse_args()
     print_machine()
-    pair = build_models(args.hidden, args.layers)
-    words = max(1, args.system_tokens * 10 // 33)  # the fixture tokenizer's words are ~3.3 tokens
+    pair = args.pair or build_models(args.hidden, args.layers)
     vocabulary = TEXT.split()
+    tokenizer = AutoTokenizer.from_pretrained(str(pair / "target"))
+    words = max(1, args.system_tokens * len(vocabulary) // len(tokenizer.encode(TEXT)))
     system = {name: f"You are assistant {name}. " + " ".join(vocabulary[(i * 7 + ord(name)) % len(vocabulary)]
                                                              for i in range(words))
               for name in "AB"}

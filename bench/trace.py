@@ -8,6 +8,7 @@ OUT.profile.json (costs), atomically.
 
     python bench/trace.py --pair bench/.cache/pair-... [--prompts 16] [--max-tokens 192] [--temp 1]
     python bench/trace.py --pair ... --context-tokens 3072 --contexts 256,3328   # long contexts
+    python bench/trace.py --pair bench/.cache/smollm2 --dataset all   # the real pair: math, code, chat
     python bench/trace.py --random        # the random hidden 1024 x 8 pair: no depth pays
 """
 
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, help="a folder with draft/ and target/ (and heldout.jsonl: code prompts)")
     ap.add_argument("--random", action="store_true", help="the random hidden 1024 x 8 pair of the engine benchmarks")
     ap.add_argument("--prompts", type=int, default=16, help="prompts (half held-out code, half chat, when the pair has them)")
+    ap.add_argument("--dataset", default=None, help="a built-in set instead ('all': math, code and chat in turn)")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--temp", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -52,7 +54,9 @@ def main() -> None:
 
     target, drafter, tokenizer = load(str(pair / "draft"), str(pair / "target"))
     conversations = builtin("chat")
-    if (pair / "heldout.jsonl").is_file():
+    if args.dataset:
+        conversations = builtin(args.dataset)
+    elif (pair / "heldout.jsonl").is_file():
         code = read_jsonl(str(pair / "heldout.jsonl"))
         conversations = [c for row in zip(code, conversations) for c in row]
     conversations = conversations[: args.prompts]
