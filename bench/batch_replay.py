@@ -27,8 +27,8 @@ import json  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from dflash_mlx import replay, traces  # noqa: E402
-from dflash_mlx.policy import DRAFTER, AdaptiveDepth, FixedBlock  # noqa: E402
+from dflash_mlx.eval import replay, traces  # noqa: E402
+from dflash_mlx.decode.policy import DRAFTER, AdaptiveDepth, FixedBlock  # noqa: E402
 
 CASES = (("published 4B drafter, 86% a token", 0.86), ("published DFlash2 27B sampled, 60% a token", 0.60),
          ("a drafter never accepted (random pair)", 0.0))

@@ -2,9 +2,9 @@
 
 1. Train a byte-level BPE tokenizer and a small Qwen3-shaped target LM from scratch on the
    standard library's .py files (a deterministic file split keeps some files held out).
-2. Distill a drafter for it with `dflash-mlx train` (dflash_mlx.train), on prompts cut from the
+2. Distill a drafter for it with `dflash-mlx train` (dflash_mlx.training.train), on prompts cut from the
    training files: the drafter learns the target's own greedy continuations.
-3. Measure it with `dflash-mlx bench` (dflash_mlx.bench) on prompts from held-out files: plain
+3. Measure it with `dflash-mlx bench` (dflash_mlx.eval.bench) on prompts from held-out files: plain
    decoding and DFlash side by side, greedy, tokens compared.
 
 The pair is cached in bench/.cache/pair-.../ (target/, draft/) and reused; other benchmarks
@@ -44,9 +44,12 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import qwen3  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx import bench, fixtures  # noqa: E402
-from dflash_mlx.convert import convert  # noqa: E402
-from dflash_mlx.train import train  # noqa: E402
+from dflash_mlx.eval import bench
+from dflash_mlx.eval.prompts import Conversation
+from dflash_mlx.eval.report import flag_counts, summarize
+from dflash_mlx.models import fixtures  # noqa: E402
+from dflash_mlx.models.convert import convert  # noqa: E402
+from dflash_mlx.training.train import train  # noqa: E402
 
 SEQ = 256
 
@@ -184,9 +187,9 @@ def main() -> None:
     tgt, drafter, tokenizer = dflash_mlx.load(str(draft), str(target))
     held = prompts(held_out, 24, 1)
     (folder / "heldout.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))  # for `dflash-mlx bench`
-    conversations = [bench.Conversation(f"held-out-{i}", [p]) for i, p in enumerate(held)]
+    conversations = [Conversation(f"held-out-{i}", [p]) for i, p in enumerate(held)]
     records = bench.measure(tgt, drafter, tokenizer, conversations, max_tokens=args.max_tokens, block_size=args.block_size)
-    summary = bench.summarize(records)
+    summary = summarize(records)
     print(f"\n{'prompt':>12} | {'plain tok/s':>11} | {'dflash tok/s':>12} | {'speedup':>7} | {'tau':>5} | same | flags")
     for r in records:
         print(f"{r['prompt']:>12} | {r['plain']['decode_tps']:>11.1f} | {r['dflash']['decode_tps']:>12.1f} | "
@@ -198,7 +201,7 @@ def main() -> None:
           f"  benchmark it:  dflash-mlx bench {bundle} --dataset {folder / 'heldout.jsonl'}")
     if summary["speedup"] is None:  # a target that collapsed into loops (a quick budget; a busy machine once)
         print(f"\nverdict: FOR TRYING THE COMMANDS ONLY. All {summary['prompts']} held-out replies were flagged "
-              f"({bench.flag_counts(records)}): no speed or tau figure of this pair means anything. For figures, build "
+              f"({flag_counts(records)}): no speed or tau figure of this pair means anything. For figures, build "
               "with the default budgets (`make pair`, about an hour on 2 cores) on a quiet machine.")
         return
     s, t = summary["speedup"], summary["tau"]

@@ -27,14 +27,14 @@ from importlib import resources  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
-from dflash_mlx import replay  # noqa: E402
+from dflash_mlx.eval import replay  # noqa: E402
 
 SOURCES = ("auto", "copy", "drafter")
 
 
 def looping_pair() -> Path:
     """The tests' looping pair (conftest.looping_dir), built once into bench/.cache."""
-    from dflash_mlx import fixtures
+    from dflash_mlx.models import fixtures
 
     folder = CACHE / "looping-pair"
     if not (folder / "random" / "config.json").exists():
@@ -52,7 +52,7 @@ def child(pair: Path, source: str, prompts: list[str], max_tokens: int) -> None:
     target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
     tokens, seconds, copies = 0, 0.0, 0
     for text in prompts:
-        run = dflash_mlx.generate(target, drafter, tokenizer, prompt_ids(tokenizer, user(text)), max_tokens=max_tokens,
+        run = dflash_mlx.decode.generate(target, drafter, tokenizer, prompt_ids(tokenizer, user(text)), max_tokens=max_tokens,
                                   draft_source=source)
         decoded = len(run.tokens) - 1
         tokens, seconds = tokens + decoded, seconds + decoded / max(run.generation_tps, 1e-9)
@@ -134,9 +134,9 @@ def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, run
     copy and drafter replayed over them, quiet and from ``runs`` offsets into the load (the same offset for the
     three: the same spikes at the same moments)."""
     import dflash_mlx
-    from dflash_mlx import traces
+    from dflash_mlx.eval import traces
     from dflash_mlx.chat_template import prompt_ids, user
-    from dflash_mlx.policy import COPY, AdaptiveDepth, FixedBlock
+    from dflash_mlx.decode.policy import COPY, AdaptiveDepth, FixedBlock
 
     load = recorded_load(pair, hogs, seconds, keep)
     target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))

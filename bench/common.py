@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step, stream_generate  # noqa: E402
 
-from dflash_mlx import fixtures  # noqa: E402
+from dflash_mlx.models import fixtures  # noqa: E402
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 TEXT = (
@@ -136,7 +136,7 @@ def median_time(fn: Callable[[], Any], reps: int = 20) -> float:
 
 def start_server(pair: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     """``dflash-mlx serve`` of a pair folder (draft/, target/) on a free loopback port; (process, URL) once it answers."""
-    return serve_on_free_port(lambda port: [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve",
+    return serve_on_free_port(lambda port: [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()", "serve",
                                             str(pair / "draft"), "--target", str(pair / "target"), "--port", str(port),
                                             *extra], "/health")
 

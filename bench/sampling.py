@@ -25,7 +25,7 @@ import statistics  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx import bench  # noqa: E402
+from dflash_mlx.eval.prompts import builtin, read_jsonl  # noqa: E402
 
 VERIFIERS = ("rejection", "match")
 
@@ -41,12 +41,12 @@ def main() -> None:
     args = parser.parse_args()
     print_machine()
     target, drafter, tokenizer = dflash_mlx.load(args.draft, args.target)
-    conversations = bench.read_jsonl(args.prompts) if args.prompts else bench.builtin("code")
+    conversations = read_jsonl(args.prompts) if args.prompts else builtin("code")
     prompts = [tokenizer.encode(c.turns[0]) for c in conversations[: args.num_prompts]]
-    dflash_mlx.generate(target, drafter, tokenizer, prompts[0], max_tokens=8, temperature=1.0)  # warm-up
+    dflash_mlx.decode.generate(target, drafter, tokenizer, prompts[0], max_tokens=8, temperature=1.0)  # warm-up
 
     def run(ids: list[int], i: int, **options) -> dflash_mlx.GenerationResult:
-        return dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens, eos_token_ids=[],
+        return dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens, eos_token_ids=[],
                                    **options)
 
     print(f"\n{len(prompts)} prompts, {args.max_tokens} tokens each; medians over prompts")

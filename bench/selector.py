@@ -12,7 +12,7 @@
    same tokens compiled and not.
 2. On the CPU pair of long_context.py (build_models(512, 4): a random qwen3 target) with a
    DFlash2 drafter written for it (block 8), the cycle time of drafting k = 0..7 tokens
-   (k = 0: a plain step) through ``dflash_mlx.generate`` with a fixed-depth policy, and
+   (k = 0: a plain step) through ``dflash_mlx.decode.generate`` with a fixed-depth policy, and
    for per-position acceptance alpha the k that maximises expected tokens per second,
    E[k] / t(k) with E[k] = sum_{i=0..k} alpha^i.
 
@@ -35,10 +35,10 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx import fixtures  # noqa: E402
-from dflash_mlx.dflash2 import CODEBOOKS, DFlash2Args, DFlash2Drafter  # noqa: E402
-from dflash_mlx.caches import trim_to  # noqa: E402
-from dflash_mlx.policy import DRAFTER, Plan  # noqa: E402
+from dflash_mlx.models import fixtures  # noqa: E402
+from dflash_mlx.models.dflash2 import CODEBOOKS, DFlash2Args, DFlash2Drafter  # noqa: E402
+from dflash_mlx.models.caches import trim_to  # noqa: E402
+from dflash_mlx.decode.policy import DRAFTER, Plan  # noqa: E402
 
 # The Qwen3.8-27B-DFlash2 column of the reference table (and its 64-layer target's count).
 PUBLISHED = dict(hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, vocab=248320, layers=5,
@@ -218,7 +218,7 @@ def runtime_block(args: argparse.Namespace) -> None:
 
     def run(k: int, max_tokens: int) -> None:
         policy = Depth(k)
-        out = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, eos_token_ids=[],
+        out = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, eos_token_ids=[],
                                   policy=policy)
         seconds[k].extend(policy.seconds[2:])  # the first cycles warm up
         tokens[k] = out.tokens

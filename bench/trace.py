@@ -2,7 +2,7 @@
 
 For each prompt: the target's own output (greedy, or sampled with --temp and a seed) and,
 at every position of it, how many tokens a draft of each depth 1..B-1 would have had
-accepted (``dflash_mlx.traces``). Then this machine's seconds per cycle at each depth and
+accepted (``dflash_mlx.eval.traces``). Then this machine's seconds per cycle at each depth and
 at each --contexts length, and mlx-lm's plain step's. Written as OUT.jsonl (traces) and
 OUT.profile.json (costs), atomically.
 
@@ -21,8 +21,9 @@ import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from dflash_mlx import load, traces  # noqa: E402
-from dflash_mlx.bench import builtin, context_prompts, read_jsonl  # noqa: E402
+from dflash_mlx import load
+from dflash_mlx.eval import traces  # noqa: E402
+from dflash_mlx.eval.prompts import builtin, context_prompts, read_jsonl  # noqa: E402
 from dflash_mlx.chat_template import has_chat_template, prompt_ids  # noqa: E402
 from dflash_mlx.files import write_atomic  # noqa: E402
 from dflash_mlx.sampling import Sampling  # noqa: E402

@@ -1,15 +1,22 @@
-"""DFlash block-diffusion speculative decoding in pure MLX."""
+"""DFlash block-diffusion speculative decoding in pure MLX.
+
+The library's face: ``load`` a pair, then ``generate``/``stream_generate`` one prompt or ``batch_generate`` many.
+The packages below it, lowest first: the shared modules here (errors, files, system, sampling, distributed,
+chat_template), ``models``, ``decode``, ``eval``, ``training``, ``server``, ``cli``; each imports only those
+before it (``tests/test_layers.py`` checks).
+"""
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .caches import DFlashCache, make_cache
-from .drafter import Drafter
+from .decode.batch import batch_generate
+from .decode.generate import generate, stream_generate
+from .decode.responses import GenerationResponse, GenerationResult
 from .errors import DFlashError
-from .generate import generate, stream_generate
-from .responses import GenerationResponse, GenerationResult
-from .loader import load, load_drafter
+from .models.caches import DFlashCache, make_cache
+from .models.drafter import Drafter
+from .models.loader import load, load_drafter
+from .models.target import Target
 from .system import DISTRIBUTION
-from .target import Target
 
 try:
     __version__ = version(DISTRIBUTION)
@@ -24,6 +31,7 @@ __all__ = [
     "GenerationResult",
     "Target",
     "__version__",
+    "batch_generate",
     "generate",
     "load",
     "load_drafter",

@@ -9,12 +9,29 @@ and templates that are Python functions rather than Jinja.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
+
+import mlx.core as mx
 
 from .errors import DFlashError
-from .generate import encode_prompt
 
 Messages = Sequence[dict[str, Any]]
+Prompt = Union[str, Sequence[int], mx.array]  # text, token ids, or ids as an array
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """The ids of a prompt as given: text gets the BOS token unless it already starts with it (a rendered template
+    does)."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    elif isinstance(prompt, mx.array):
+        ids = prompt.tolist()
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise DFlashError("the prompt is empty")
+    return ids
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -51,7 +68,7 @@ def render(
                                             tokenize=tokenize, **kwargs)
     except DFlashError:
         raise
-    except Exception as e:  # jinja2's TemplateError, or a Python template's own exception
+    except Exception as e:  # noqa: BLE001 jinja2's TemplateError, or a Python template's own exception
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DFlashError(f"the chat template rejected this conversation: {reason}") from None
     return list(out) if tokenize else out

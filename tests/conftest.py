@@ -8,9 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-
-from dflash_mlx import fixtures, load
 from helpers import plain_greedy
+
+from dflash_mlx import load
+from dflash_mlx.models import fixtures
 
 # The reference-BLAS warning of every decoding command has its own test (test_system.py); elsewhere it
 # would be one more stderr line in what the tests read.

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -70,7 +69,7 @@ def start_server(draft: Path, target: Optional[Path], *extra: str) -> tuple[subp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     pair = [str(draft)] + ([] if target is None else ["--target", str(target)])
-    cmd = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve", *pair, "--port", str(port), *extra]
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()", "serve", *pair, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import finish, start_server
 
 BIN = Path(__file__).resolve().parent.parent / ".agents" / "node_modules" / ".bin"

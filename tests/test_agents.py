@@ -14,13 +14,14 @@ import httpx2 as httpx
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import finish, start_server
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import fixtures, load
+from dflash_mlx import load
 from dflash_mlx.chat_template import fold_system, render
-from dflash_mlx.replies import Reply, ToolCall
+from dflash_mlx.models import fixtures
+from dflash_mlx.server.replies import Reply, ToolCall
 from dflash_mlx.server.request import APIError, chat_ids
-from helpers import finish, start_server
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

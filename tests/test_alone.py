@@ -10,9 +10,9 @@ from helpers import finish, plain_greedy, start_server
 from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError, generate, load
-from dflash_mlx.batch import batch_generate
-from dflash_mlx.cli import app
-from dflash_mlx.drafter import NoDrafter
+from dflash_mlx.cli.main import app
+from dflash_mlx.decode.batch import batch_generate
+from dflash_mlx.models.drafter import NoDrafter
 
 PROMPT = "def fibonacci(n):\n    return"
 

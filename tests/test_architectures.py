@@ -10,10 +10,11 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, fixtures, generate, load, make_cache, stream_generate
-from dflash_mlx.batch import Batch, batch_generate
-from dflash_mlx.caches import RecurrentCache, trim_to
-from dflash_mlx.generate import prefill, setup
+from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
+from dflash_mlx.decode.batch import Batch, batch_generate
+from dflash_mlx.decode.generate import prefill, setup
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.caches import RecurrentCache, trim_to
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -161,7 +162,7 @@ def test_unsupported_architecture_is_named(tmp_path, models_dir):
         load(str(models_dir / "qwen3-dflash"), str(tmp_path / "t"))
 
 
-# Rows of different lengths and acceptances, decoded together (``dflash_mlx.batch``): sliding-window layers and the
+# Rows of different lengths and acceptances, decoded together (``dflash_mlx.decode.batch``): sliding-window layers and the
 # recurrent layers of the hybrid targets undo each row's part of a verify alone.
 BATCHED = ["qwen3_5", "qwen3_next", "gpt_oss"]
 BATCH_PROMPTS = PROMPTS + ["hi", "A much longer prompt that runs on for a while, so that its row is longer"]

@@ -1,21 +1,21 @@
-"""Rows decoded together (``dflash_mlx.batch``): each row's output is what it would be alone, whatever the others do."""
+"""Rows decoded together (``dflash_mlx.decode.batch``): each row's output is what it would be alone, whatever the others do."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
+from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, generate, load, stream_generate
-from dflash_mlx.batch import Batch, BatchPlanner, batch_generate
-from dflash_mlx.ragged import RaggedKVCache
-from dflash_mlx.caches import WindowKVCache, make_cache
-from dflash_mlx.generate import prefill, setup
-from dflash_mlx.policy import COPY, AdaptiveDepth, Plan
-from dflash_mlx.repeats import Repeats
+from dflash_mlx.decode.batch import Batch, BatchPlanner, batch_generate
+from dflash_mlx.decode.generate import prefill, setup
+from dflash_mlx.decode.policy import COPY, AdaptiveDepth, Plan
+from dflash_mlx.decode.ragged import RaggedKVCache
+from dflash_mlx.decode.repeats import Repeats
+from dflash_mlx.models.caches import WindowKVCache, make_cache
 
 # Prompts of different lengths: the rows' histories differ in length from the first cycle on.
 MANY = PROMPTS + ["hi", "A much longer prompt that runs on for a while, so that its row is longer than the others"]

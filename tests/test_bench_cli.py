@@ -8,9 +8,12 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import bench, loader
-from dflash_mlx.bench import builtin, degenerate, repetition, summarize
-from dflash_mlx.cli import app
+from dflash_mlx.cli.main import app
+from dflash_mlx.eval import bench
+from dflash_mlx.eval.bench import degenerate, repetition
+from dflash_mlx.eval.prompts import builtin
+from dflash_mlx.eval.report import figure, summarize
+from dflash_mlx.models import loader
 
 
 def _bench(models_dir, tmp_path, *extra, columns=200, exit_code=0):
@@ -100,7 +103,7 @@ def test_plot_figure_and_force(models_dir, tmp_path):
     for r in report["records"]:  # whatever the tiny model did, draw every prompt
         r["flagged"] = []
     report["summary"] = summarize(report["records"])
-    fig = bench.figure(report)
+    fig = figure(report)
     speed, tau, hist = fig.axes
     assert (speed.get_title(), tau.get_title(), hist.get_title()) == ("speedup", "tau", "acceptance")
     assert any(list(line.get_ydata()) == [1.0, 1.0] for line in speed.get_lines())  # the 1.0x reference
@@ -124,7 +127,7 @@ def test_plot_figure_and_force(models_dir, tmp_path):
 
     report["records"][0]["flagged"] = ["degenerate loop"]
     report["summary"] = summarize(report["records"])
-    fig = bench.figure(report)
+    fig = figure(report)
     assert len(fig.axes[0].get_lines()[0].get_ydata()) == len(report["records"]) - 1
     note = fig.get_supxlabel()  # the missing point is said, with why
     assert f"1 of {len(report['records'])} prompts" in note and report["records"][0]["prompt"] in note
@@ -132,7 +135,7 @@ def test_plot_figure_and_force(models_dir, tmp_path):
 
     for r in report["records"]:
         r["flagged"] = ["degenerate loop"]
-    fig = bench.figure(report)
+    fig = figure(report)
     assert not fig.axes and "flagged" in " ".join(t.get_text() for t in fig.texts)
 
 
@@ -183,7 +186,7 @@ def test_ctrl_c_keeps_what_was_measured(models_dir, tmp_path, monkeypatch):
     assert report["interrupted"] is True and (report["measured"], report["planned"]) == (2, 5)
     assert [r["prompt"] for r in report["records"]] == ["code-0", "code-1"] and report["summary"]["prompts"] == 2
     assert "  code-1  " in result.stdout and "code-2" not in result.stdout
-    lines = [l for l in result.stderr.splitlines() if l.strip() and not l.startswith("WARNING")]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
     assert lines[-1].startswith("interrupted: measured 2 of 5 prompts; written to"), result.stderr
 
 
@@ -191,7 +194,7 @@ def _error(models_dir, *extra):
     result = CliRunner().invoke(app, ["bench", str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"),
                                       *map(str, extra)])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    lines = [l for l in result.stderr.splitlines() if l.strip() and not l.startswith("WARNING")]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
     assert lines[-1].startswith("error:"), result.stderr
     return lines[-1]
 

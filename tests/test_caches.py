@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import DFlashError
-from dflash_mlx.caches import WindowKVCache
+from dflash_mlx.models.caches import WindowKVCache
 
 H, D = 2, 8
 

@@ -20,13 +20,13 @@ from typing import Optional
 
 import pexpect
 import pytest
+from helpers import default_sigint
 from mlx_lm.utils import load_tokenizer
 from typer.testing import CliRunner
 
-from dflash_mlx.chat import ChatSession
-from dflash_mlx.chat import HELP as CHAT_HELP
-from dflash_mlx.cli import app
-from helpers import default_sigint
+from dflash_mlx.cli.main import app
+from dflash_mlx.decode.chat import HELP as CHAT_HELP
+from dflash_mlx.decode.chat import ChatSession
 
 CLI = Path(sys.executable).parent / "dflash-mlx"  # the console script of this venv (there is no __main__)
 # A dumb, colourless terminal: output without escape codes. (Rich takes a dumb terminal to be 80
@@ -458,8 +458,9 @@ def test_target_without_chat_template_is_refused_in_one_line(models_dir, tmp_pat
 def test_the_next_prompt_keeps_the_end_of_turn_whatever_the_reply(tmp_path, reply):
     """A reply whose text also occurs in the template's end-of-turn text ("<|im_end|>\\n") must not splice it
     out of the next prompt: turn 2's ids are exactly what the template renders for the conversation."""
-    from dflash_mlx import fixtures, load
+    from dflash_mlx import load
     from dflash_mlx.chat_template import render
+    from dflash_mlx.models import fixtures
 
     config = fixtures.target_config("qwen3")
     fixtures.write_scripted_target(tmp_path / "target", {"assistant\n": [reply, "<|im_end|>"]}, config=config)

@@ -8,7 +8,7 @@ from helpers import plain_greedy
 from typer.testing import CliRunner
 
 from dflash_mlx import __version__
-from dflash_mlx.cli import app
+from dflash_mlx.cli.main import app
 
 
 def _args(models_dir, *extra):
@@ -39,7 +39,7 @@ def test_generate_text_then_stats_line(models_dir):
     result = CliRunner().invoke(app, _args(models_dir, "-p", "Hello", "-m", "12", "--no-chat-template"))
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()  # the generated text
-    stats = [l for l in result.stderr.splitlines() if l.strip()]
+    stats = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(stats) == 1 and "tok/s" in stats[0] and "tau" in stats[0]
 
 
@@ -78,7 +78,7 @@ def test_a_lora_adapter_is_applied_to_the_target(pairs, models_dir, tmp_path):
     from the bare target's; a folder without the adapter's files is a one-line error."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from dflash_mlx import fixtures
+    from dflash_mlx.models import fixtures
 
     adapter = fixtures.write_lora_adapter(tmp_path / "adapter", models_dir / "llama")
     target, _, tokenizer = pairs["llama"]

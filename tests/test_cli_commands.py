@@ -13,9 +13,10 @@ import pytest
 from helpers import plain_greedy
 from typer.testing import CliRunner
 
-from dflash_mlx import DFlashError, generate, load, registry
-from dflash_mlx.cli import app
-from dflash_mlx.convert import convert
+from dflash_mlx import DFlashError, generate, load
+from dflash_mlx.cli.main import app
+from dflash_mlx.models import registry
+from dflash_mlx.models.convert import convert
 
 
 def _run(*args):
@@ -26,7 +27,7 @@ def _run(*args):
 
 def _one_error_line(result, *fragments):
     assert result.exit_code == 2, result.output
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     for f in fragments:
         assert f in lines[0], lines[0]
@@ -43,7 +44,7 @@ def test_aliases_resolve():
 
 
 def test_every_entry_is_complete_and_honest():
-    from dflash_mlx.target import SUPPORTED_MODEL_TYPES
+    from dflash_mlx.models.target import SUPPORTED_MODEL_TYPES
 
     for p in registry.pairs():
         assert p.drafter.startswith("z-lab/") and "/" in p.target
@@ -153,7 +154,7 @@ def test_downloads_fetch_only_what_loading_reads(monkeypatch, models_dir):
     """The patterns passed to the Hub, applied to real repo layouts: no original/ or metal/ copies."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from dflash_mlx.loader import resolve
+    from dflash_mlx.models.loader import resolve
 
     seen = {}
 

@@ -12,11 +12,11 @@ from helpers import plain_greedy
 from mlx.utils import tree_flatten
 from test_drafter import _rms, _rope
 
-from dflash_mlx import DFlashError, fixtures, generate, load
-from dflash_mlx.dflash2 import DFlash2Drafter
-from dflash_mlx.drafter import Drafter, DrafterArgs
-from dflash_mlx.loader import load_drafter
-from dflash_mlx.loader import cast_floats
+from dflash_mlx import DFlashError, generate, load
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.dflash2 import DFlash2Drafter
+from dflash_mlx.models.drafter import Drafter, DrafterArgs
+from dflash_mlx.models.loader import cast_floats, load_drafter
 from dflash_mlx.sampling import Sampling, verify_match, verify_rejection
 
 BLOCK, WINDOW, TOP_K, RANK, GS = 5, 6, 8, 16, 16
@@ -446,7 +446,7 @@ def test_rejection_accepts_at_least_as_much_as_match_with_selector_q(d2):
 def test_convert_bundle_keeps_conv_and_selector_in_float(d2, models_dir, tmp_path, draft_quantize):
     """A bundle of a DFlash2 pair loads as DFlash2 and stays lossless; with --draft-quantize the attention
     and MLP layers are quantized, the convolution kernels and the selector are not."""
-    from dflash_mlx.convert import convert
+    from dflash_mlx.models.convert import convert
 
     out = convert(str(d2["root"] / "qwen3-d2"), str(tmp_path / "bundle"), target=str(models_dir / "qwen3"),
                   draft_quantize=draft_quantize, q_group_size=32)
@@ -466,7 +466,7 @@ def test_convert_bundle_keeps_conv_and_selector_in_float(d2, models_dir, tmp_pat
 
 def test_registry_resolves_the_published_dflash2_drafters():
     """Qwen3.8-27B resolves to a supported qwen3_5 pair under every name; Muse Glimmer is refused in one line."""
-    from dflash_mlx import registry
+    from dflash_mlx.models import registry
 
     qwen = registry.find("z-lab/Qwen3.8-27B-DFlash2")
     assert qwen is not None and qwen.model_type == "qwen3_5" and qwen.supported
@@ -486,8 +486,8 @@ def test_registry_resolves_the_published_dflash2_drafters():
 def test_models_lists_the_dflash2_drafters_at_80_columns():
     from typer.testing import CliRunner
 
-    from dflash_mlx import registry
-    from dflash_mlx.cli import app
+    from dflash_mlx.cli.main import app
+    from dflash_mlx.models import registry
 
     rows = {r["drafter"]: r for r in json.loads(CliRunner().invoke(app, ["models", "--json"]).stdout)}
     assert rows["z-lab/Qwen3.8-27B-DFlash2"]["supported"] and not rows["z-lab/Muse-Glimmer-30B-DFlash2"]["supported"]
@@ -569,14 +569,14 @@ def test_bench_with_a_dflash2_drafter(d2, d2_dir, tmp_path, count_proposals, blo
     """`bench` runs the DFlash2 pair: exit 0, tau and depth histograms, dflash tokens equal plain greedy's."""
     from test_bench_cli import _bench
 
-    from dflash_mlx import bench
+    from dflash_mlx.eval.prompts import builtin
 
     extra = [] if block is None else ["--block-size", block]
     report, result = _bench(d2_dir, tmp_path, "--num-prompts", "2", *extra)
     assert report["block_size"] == BLOCK  # read from dflash_config when not given
     assert report["policy"] == ("adaptive" if block is None else "fixed")
     target, _, tokenizer = d2["qwen3"]
-    for r, conv in zip(report["records"], bench.builtin("all")):
+    for r, conv in zip(report["records"], builtin("all")):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": conv.turns[0]}], add_generation_prompt=True)
         assert r["dflash"]["tokens"] == plain_greedy(target.model, ids, 24) == r["plain"]["tokens"]
         assert r["identical"] is True
@@ -617,9 +617,9 @@ def test_selftest_with_a_dflash2_drafter(d2_dir, tmp_path, monkeypatch, count_pr
 
     from test_selftest import _doctor, _prompt_lines
 
-    from dflash_mlx.policy import FixedBlock
+    from dflash_mlx.decode.policy import FixedBlock
 
-    module = importlib.import_module("dflash_mlx.generate")  # the package's `generate` is the function
+    module = importlib.import_module("dflash_mlx.decode.generate")  # the package's `generate` is the function
     monkeypatch.setattr(module, "adaptive_policy", lambda target, drafter, window, block, **_: FixedBlock(block))
     monkeypatch.chdir(tmp_path)
     result = _doctor(d2_dir, "qwen3")

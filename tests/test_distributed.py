@@ -21,7 +21,8 @@ import httpx2 as httpx
 import pytest
 from helpers import default_sigint, finish, plain_greedy
 
-from dflash_mlx import fixtures, generate, load
+from dflash_mlx import generate, load
+from dflash_mlx.models import fixtures
 
 HERE = Path(__file__).resolve().parent
 LAUNCH = Path(sys.executable).parent / "mlx.launch"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx import DFlashError, fixtures
-from dflash_mlx.drafter import Drafter, DrafterArgs, default_target_layer_ids
+from dflash_mlx import DFlashError
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.drafter import Drafter, DrafterArgs, default_target_layer_ids
 
 
 def _rms(x, w, eps=1e-6):

@@ -8,9 +8,10 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import DFlashError, fixtures, generate, load
-from dflash_mlx.cli import app
-from dflash_mlx.loader import resolve
+from dflash_mlx import DFlashError, generate, load
+from dflash_mlx.cli.main import app
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.loader import resolve
 
 
 def _broken_drafter(tmp_path, models_dir, edit=None, name="drafter"):
@@ -30,7 +31,7 @@ def _expect(models_dir, draft, match, target="qwen3"):
     result = CliRunner().invoke(app, ["generate", str(draft), "--target", str(models_dir / target), "-p", "hi"])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     return lines[0]
 

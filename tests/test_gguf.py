@@ -20,12 +20,11 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from mlx_lm.utils import load_model  # noqa: E402
-from mlx_lm.utils import load_tokenizer  # noqa: E402
+from mlx_lm.utils import load_model, load_tokenizer  # noqa: E402
 
-from dflash_mlx import fixtures  # noqa: E402
-from dflash_mlx.convert import convert  # noqa: E402
 from dflash_mlx.errors import DFlashError  # noqa: E402
+from dflash_mlx.models import fixtures  # noqa: E402
+from dflash_mlx.models.convert import convert  # noqa: E402
 
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

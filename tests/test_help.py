@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from dflash_mlx.cli import app
+from dflash_mlx.cli.main import app
 
 COMMANDS = typer.main.get_command(app).commands
 

@@ -8,11 +8,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache
 from typer.testing import CliRunner
 
-from dflash_mlx import DFlashError, fixtures, generate, load, make_cache
-from dflash_mlx.batch import Batch
-from dflash_mlx.cache_files import fingerprint, read_state, write_state
-from dflash_mlx.caches import KVQuantization
-from dflash_mlx.cli import app
+from dflash_mlx import DFlashError, generate, load, make_cache
+from dflash_mlx.cli.main import app
+from dflash_mlx.decode.batch import Batch
+from dflash_mlx.decode.cache_files import fingerprint, read_state, write_state
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.caches import KVQuantization
 
 PROMPT = "def fibonacci(n):\n    return fib"
 

@@ -7,8 +7,8 @@ from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
 from dflash_mlx import generate, load, make_cache
-from dflash_mlx.policy import COPY, DRAFTER, Plan
-from dflash_mlx.repeats import Repeats
+from dflash_mlx.decode.policy import COPY, DRAFTER, Plan
+from dflash_mlx.decode.repeats import Repeats
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_drafts_use_exactly_the_committed_context(pairs, looping_dir, name):
     """
     import mlx.core as mx
 
-    from dflash_mlx.generate import stream_generate
+    from dflash_mlx.decode.generate import stream_generate
 
     if name == "copies between":
         target, drafter, tokenizer = load(str(looping_dir / "random"), str(looping_dir / "target"))

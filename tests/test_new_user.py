@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import default_sigint, finish
 from typer.testing import CliRunner
 
 from dflash_mlx import generate, load
 from dflash_mlx.chat_template import render, user
-from dflash_mlx.cli import app
+from dflash_mlx.cli.main import app
 from dflash_mlx.system import blas_check
-from helpers import default_sigint, finish
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "dflash-mlx"

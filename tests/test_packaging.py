@@ -23,7 +23,7 @@ def test_wheel_holds_every_package_file(tmp_path):
     wheel = next((tmp_path / "dist").glob("dflash_mlx_lossless-*.whl"))  # not PyPI's other "dflash-mlx"
     shipped = set(zipfile.ZipFile(wheel).namelist())
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in shipped if n.endswith("entry_points.txt"))).decode()
-    assert "dflash-mlx = dflash_mlx.cli:app" in entry_points  # the command keeps its name
+    assert "dflash-mlx = dflash_mlx.cli.main:app" in entry_points  # the command keeps its name
     package = ROOT / "dflash_mlx"
     wanted = {f.relative_to(ROOT).as_posix() for f in package.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
     assert {"dflash_mlx/data/text.txt", "dflash_mlx/data/prompts.json", "dflash_mlx/data/registry.json"} <= wanted

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import generate, make_cache
-from dflash_mlx.policy import COPY, DRAFTER, Acceptance, AdaptiveDepth, CycleCosts, Plan
-from dflash_mlx.repeats import Repeats
+from dflash_mlx.decode.policy import COPY, DRAFTER, Acceptance, AdaptiveDepth, CycleCosts, Plan
+from dflash_mlx.decode.repeats import Repeats
 
 
 def drafter_depth(plan: Plan) -> int:
@@ -498,7 +498,7 @@ def test_generate_json_reports_depths(models_dir):
 
     from typer.testing import CliRunner
 
-    from dflash_mlx.cli import app
+    from dflash_mlx.cli.main import app
 
     args = ["generate", str(models_dir / "qwen3-dflash"), "-t", str(models_dir / "qwen3"), "-p", PROMPTS[0],
             "--no-chat-template", "-m", "40", "--json"]

@@ -16,12 +16,22 @@ import httpx2 as httpx
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from dflash_mlx import cache_files, fixtures, generate, load, make_cache
-from dflash_mlx.chat_template import render
-from dflash_mlx.cache_files import FORMAT, TEMPORARY, fingerprint, is_temporary, read_header, read_state, write_state
-from dflash_mlx.server.prompt_cache import STALE_WRITE, PromptCache
 from helpers import finish, start_server
+
+from dflash_mlx import generate, load, make_cache
+from dflash_mlx.chat_template import render
+from dflash_mlx.decode import cache_files
+from dflash_mlx.decode.cache_files import (
+    FORMAT,
+    TEMPORARY,
+    fingerprint,
+    is_temporary,
+    read_header,
+    read_state,
+    write_state,
+)
+from dflash_mlx.models import fixtures
+from dflash_mlx.server.prompt_cache import STALE_WRITE, PromptCache
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
 LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
@@ -407,7 +417,8 @@ def test_the_server_alternates_conversations_and_survives_a_restart(layouts, tmp
 
 def test_a_cache_of_an_adapted_target_is_not_the_bare_targets(models_dir, tmp_path):
     """A LoRA adapter changes the target's states: the fingerprint follows the adapter's files."""
-    from dflash_mlx import fixtures, load
+    from dflash_mlx import load
+    from dflash_mlx.models import fixtures
 
     adapters = [fixtures.write_lora_adapter(tmp_path / f"a{seed}", models_dir / "qwen3", seed=seed) for seed in (0, 1)]
     bare = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"))

@@ -13,9 +13,9 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from helpers import plain_greedy
 
 from dflash_mlx import generate, load
-from helpers import plain_greedy
 
 BUNDLE = Path(os.environ.get("DFLASH_MLX_REAL_PAIR", Path(__file__).parents[1] / "bench/.cache/smollm2/bundle"))
 pytestmark = pytest.mark.skipif(not (BUNDLE / "dflash.json").is_file(),

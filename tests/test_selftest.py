@@ -7,9 +7,10 @@ import pytest
 from helpers import plain_greedy
 from typer.testing import CliRunner
 
-from dflash_mlx import bench
-from dflash_mlx.cli import app
-from dflash_mlx.selftest import (
+from dflash_mlx.cli.main import app
+from dflash_mlx.eval import bench
+from dflash_mlx.eval.prompts import builtin
+from dflash_mlx.eval.selftest import (
     EXIT_DIVERGED,
     EXIT_IDENTICAL,
     EXIT_NEAR_TIE,
@@ -67,7 +68,7 @@ def test_injected_divergence_is_located_and_measured(pairs, tampered):
     target, drafter, tokenizer = pairs["qwen3"]
     result = selftest(target, drafter, tokenizer, max_tokens=MAX_TOKENS, sets=("code",))
     (check,) = result.prompts
-    text = bench.builtin("code")[0].turns[0]
+    text = builtin("code")[0].turns[0]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ref = plain_greedy(target.model, ids, MAX_TOKENS)
     d = check.divergence

@@ -291,7 +291,7 @@ def test_soak_memory_does_not_grow(server, client):
 
 def test_port_in_use_and_bad_model_are_one_line_errors(server, models_dir):
     port = server.rsplit(":", 1)[1]
-    base = [sys.executable, "-c", "from dflash_mlx.cli import app; app()", "serve"]
+    base = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()", "serve"]
     for args in ([str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--port", port],
                  [str(models_dir / "nope"), "--port", port],
                  [str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3"), "--keepalive", "0"]):

@@ -10,7 +10,8 @@ import httpx2 as httpx
 import pytest
 from helpers import finish, start_server
 
-from dflash_mlx import fixtures, generate, load
+from dflash_mlx import generate, load
+from dflash_mlx.models import fixtures
 
 LONG = "the quick brown fox jumps over the lazy dog. " * 400
 

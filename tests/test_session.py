@@ -6,7 +6,8 @@ import pytest
 from conftest import PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, fixtures, generate, load, make_cache
+from dflash_mlx import DFlashError, generate, load, make_cache
+from dflash_mlx.models import fixtures
 
 
 def _turns(target, drafter, tokenizer, block_size, window=None, eos=(), max_tokens=60):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import DFlashError
-from dflash_mlx.stops import StopStrings, stop_list
+from dflash_mlx.decode.stops import StopStrings, stop_list
 
 ALPHABET = "ab\n<>"
 

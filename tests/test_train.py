@@ -13,20 +13,21 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from helpers import plain_greedy
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
-import dflash_mlx.train as training
-from dflash_mlx import DFlashError, fixtures, generate, load
-from dflash_mlx.cli import app
-from dflash_mlx.drafter import Blocks, Drafter, DrafterArgs, block_mask
-from dflash_mlx.train import (
+import dflash_mlx.training.train as training
+from dflash_mlx import DFlashError, generate, load
+from dflash_mlx.cli.main import app
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.drafter import Blocks, Drafter, DrafterArgs, block_mask
+from dflash_mlx.training.train import (
     block_labels,
     load_checkpoint,
     sample_anchors,
     train,
 )
-from helpers import plain_greedy
 
 PROMPTS = [
     {"prompt": "def fibonacci(n):"},
@@ -387,7 +388,7 @@ def test_progress_shows_the_step_and_the_time_left(tmp_path, models_dir, workdir
                 "NO_COLOR": "1"}
 
     def shown(*args: str) -> str:
-        run = subprocess.run([sys.executable, "-c", "from dflash_mlx.cli import app; app()", *args], env=terminal,
+        run = subprocess.run([sys.executable, "-c", "from dflash_mlx.cli.main import app; app()", *args], env=terminal,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
         return ANSI.sub("", run.stderr)

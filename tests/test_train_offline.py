@@ -10,14 +10,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx import fixtures
-from dflash_mlx.drafter import Drafter, DrafterArgs
-from dflash_mlx.drafter_init import draft_config
-from dflash_mlx.loader import load_target
-from dflash_mlx.train import Head, _feature_target, block_loss, make_batch, position_weights
-from dflash_mlx.train_data import prepare_data
-from dflash_mlx.train_features import FEATURES, INDEX, feature_store
-from dflash_mlx.train_prompts import _evaluation_prompts, synthetic_prompts
+from dflash_mlx.models import fixtures
+from dflash_mlx.models.drafter import Drafter, DrafterArgs
+from dflash_mlx.models.loader import load_target
+from dflash_mlx.training.data import prepare_data
+from dflash_mlx.training.drafter_init import draft_config
+from dflash_mlx.training.features import FEATURES, INDEX, feature_store
+from dflash_mlx.training.prompts import _evaluation_prompts, synthetic_prompts
+from dflash_mlx.training.train import Head, _feature_target, block_loss, make_batch, position_weights
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_the_sub_head_scores_as_the_full_head_does_on_its_tokens(target_path, qu
 
     # The sampled others stand for all the others: the loss with them is the full loss, nearly; without, lower.
     kept_only = block_loss(drafter, target, batch, weights, head).item()
-    monkeypatch.setattr("dflash_mlx.train.NEGATIVES", 64)  # a sample of the others, as on a real vocabulary
+    monkeypatch.setattr("dflash_mlx.training.train.NEGATIVES", 64)  # a sample of the others, as on a real vocabulary
     rng = np.random.default_rng(0)
     estimates = []
     for _ in range(8):
@@ -122,7 +122,7 @@ def test_built_in_prompts_mix_code_math_and_chat_and_leave_the_evaluation_sets_a
     code = sum("function" in p for p in prompts)
     math = sum(any(c.isdigit() for c in p) and "function" not in p for p in prompts)
     assert code >= 150 and math >= 150 and len(prompts) - code - math >= 150
-    from dflash_mlx.bench import humaneval_problems
+    from dflash_mlx.eval.score import humaneval_problems
 
     try:
         humaneval = {p.prompt.strip() for p in humaneval_problems()}

@@ -12,10 +12,11 @@ import pytest
 from conftest import PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, fixtures, generate, load, make_cache, stream_generate
-from dflash_mlx.chat import ChatSession
-from dflash_mlx.generate import CATCH_UP
-from dflash_mlx.policy import FixedBlock
+from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
+from dflash_mlx.decode.chat import ChatSession
+from dflash_mlx.decode.generate import CATCH_UP
+from dflash_mlx.decode.policy import FixedBlock
+from dflash_mlx.models import fixtures
 
 FOLLOW = " and then"
 
@@ -199,7 +200,7 @@ def test_repeated_target_layer_ids_generate_losslessly(tmp_path):
 
 def test_prefill_keeps_no_replay_buffers(hybrid):
     """A prefill chunk cannot be rolled back, so its recurrent layers keep no replay (memory)."""
-    from dflash_mlx.caches import RecurrentCache
+    from dflash_mlx.models.caches import RecurrentCache
 
     target, drafter, tokenizer = hybrid
     cache = make_cache(target, drafter, block_size=4)
@@ -219,7 +220,7 @@ def test_prefill_keeps_no_replay_buffers(hybrid):
 def _interrupt_after_commit(monkeypatch, at: int) -> None:
     """Simulate a Ctrl-C landing after a cycle's commit (from cycle ``at`` on, one that accepted drafts),
     before its tokens reach the caller."""
-    from dflash_mlx.policy import FixedBlock
+    from dflash_mlx.decode.policy import FixedBlock
 
     calls = {"n": 0}
 

@@ -8,7 +8,7 @@ from helpers import plain_greedy
 from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.cli import app
+from dflash_mlx.cli.main import app
 
 
 def _windowed_reference(target, ids, window, sinks, max_tokens=MAX_TOKENS):

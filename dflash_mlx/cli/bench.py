@@ -1,4 +1,4 @@
-"""The bench command's steps around bench.py's measurements: which prompts, a progress bar, the report, scoring.
+"""The bench command's steps around eval.bench's measurements: which prompts, a progress bar, the report, scoring.
 
 None of them exits: the command decides the exit status from what they return.
 """
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Optional
 from rich.console import Console
 from rich.progress import Progress
 
-from . import distributed
-from .cli_output import rank_peaks
-from .files import write_atomic
+from .. import distributed
+from ..files import write_atomic
+from .output import rank_peaks
 
 if TYPE_CHECKING:
-    from .bench import Conversation
+    from ..eval.prompts import Conversation
 
 
 def listed_prompts(dataset: str, num_prompts: int) -> Optional[list[Conversation]]:
@@ -24,33 +24,33 @@ def listed_prompts(dataset: str, num_prompts: int) -> Optional[list[Conversation
 
     None for a Hub data set: it is fetched after the cheap checks.
     """
-    from . import bench
+    from ..eval import prompts
 
     if dataset.endswith(".jsonl"):
-        return bench.read_jsonl(dataset)
-    if dataset in bench.BUILTIN_SETS or dataset == "all":
-        return bench.builtin(dataset)
-    if dataset not in bench.DATASETS:
-        bench.fetch(dataset, num_prompts)  # raises the unknown-dataset error
+        return prompts.read_jsonl(dataset)
+    if dataset in prompts.BUILTIN_SETS or dataset == "all":
+        return prompts.builtin(dataset)
+    if dataset not in prompts.DATASETS:
+        prompts.fetch(dataset, num_prompts)  # raises the unknown-dataset error
     return None
 
 
 def bench_prompts(listed: Optional[list[Conversation]], lengths: Optional[list[int]], dataset: str, num_prompts: int,
                   tokenizer: Any, max_positions: Optional[int]) -> list[Conversation]:
     """The prompts to measure: --prompt-tokens' lengths (made with the tokenizer), the Hub set, or the first listed."""
-    from . import bench
+    from ..eval.prompts import context_prompts, fetch
 
     if lengths is not None:
-        return bench.context_prompts(tokenizer, lengths, max_positions)
+        return context_prompts(tokenizer, lengths, max_positions)
     if listed is None:
-        return bench.fetch(dataset, num_prompts)
+        return fetch(dataset, num_prompts)
     return listed[:num_prompts]
 
 
 def measure(console: Console, target: Any, drafter: Any, tokenizer: Any, conversations: list[Conversation],
             **options: Any) -> tuple[list[dict[str, Any]], int, bool]:
     """(records, turns planned, interrupted): bench.measure under a progress bar; Ctrl-C keeps the records so far."""
-    from . import bench
+    from ..eval import bench
 
     planned = sum(max(1, len(c.turns)) for c in conversations)
     records: list[dict[str, Any]] = []
@@ -71,8 +71,9 @@ def measure(console: Console, target: Any, drafter: Any, tokenizer: Any, convers
 def report(model: str, target: Optional[str], dataset: str, drafter: Any, records: list[dict[str, Any]], planned: int,
            interrupted: bool, options: dict[str, Any], console: Console) -> dict[str, Any]:
     """The report as printed and written: the settings, the figures, and the group with every rank's peak memory."""
-    from . import bench
-    from .drafter import NoDrafter
+    from ..eval.report import print_report
+    from ..eval.report import report as summary
+    from ..models.drafter import NoDrafter
 
     block_size = options["block_size"]
     settings = {"model": model, "target": target, "window": options["window"], "sinks": options["sinks"],
@@ -81,8 +82,8 @@ def report(model: str, target: Optional[str], dataset: str, drafter: Any, record
                 "temperature": options["temperature"], "repeats": options["repeats"], "dataset": dataset,
                 "drafter": not isinstance(drafter, NoDrafter), "kv_bits": options.get("kv_bits"),
                 "kv_group_size": options.get("kv_group_size"), "quantized_kv_start": options.get("quantized_kv_start")}
-    result = bench.report(settings, records, planned, interrupted)
-    bench.print_report(result, console)
+    result = summary(settings, records, planned, interrupted)
+    print_report(result, console)
     peak = max((r["dflash"]["peak_memory_gb"] for r in records), default=0.0)
     result["group"] = distributed.describe()
     result["rank_peak_memory_gb"] = rank_peaks(peak, interrupted)
@@ -95,13 +96,14 @@ def score(report: dict[str, Any], records: list[dict[str, Any]], conversations: 
 
     Whether the scores say DFlash is lossless; None when Ctrl-C stopped the tests (the measurements are still written).
     """
-    from . import bench
-    from .score import unisolated
+    from ..eval.report import print_score
+    from ..eval.report import score as pass_at_1
+    from ..eval.score import unisolated
 
     try:
         with err.status("running the completions' tests"), unisolated(unconfined):
-            report["score"] = bench.score(records, conversations, tokenizer, timeout)
-        return bench.print_score(report["score"], temperature, out)
+            report["score"] = pass_at_1(records, conversations, tokenizer, timeout)
+        return print_score(report["score"], temperature, out)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/] while scoring: no pass@1")
         return None
@@ -109,9 +111,9 @@ def score(report: dict[str, Any], records: list[dict[str, Any]], conversations: 
 
 def write(report: dict[str, Any], json_out: Optional[str], plot_out: Optional[str]) -> None:
     """--json and --plot, from rank 0 alone."""
-    from . import bench
+    from ..eval.report import plot
 
     if json_out and distributed.is_main():
         write_atomic(json_out, json.dumps(report, indent=1))
     if plot_out and distributed.is_main():
-        bench.plot(report, plot_out)
+        plot(report, plot_out)

@@ -12,9 +12,9 @@ import sys
 from rich.console import Console
 from rich.markup import escape
 
-from .chat import ChatSession, line_editing, run_command, stats_line
-from .errors import DFlashError
-from .generate import GenerationResponse
+from ..decode.chat import ChatSession, line_editing, run_command, stats_line
+from ..decode.generate import GenerationResponse
+from ..errors import DFlashError
 
 
 def converse(session: ChatSession, model: str, err: Console) -> None:

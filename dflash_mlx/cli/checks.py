@@ -10,16 +10,16 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from . import distributed
-from .errors import DFlashError
+from .. import distributed
+from ..errors import DFlashError
 
 
 def check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
                   prefill_step_size: Optional[int] = None, draft_source: str = "auto", **sampling: Any) -> None:
     """Fail on bad flag values before loading gigabytes of weights (the window against the drafter's block after)."""
-    from .caches import check_window
-    from .policy import check_source
-    from .sampling import Sampling
+    from ..decode.policy import check_source
+    from ..models.caches import check_window
+    from ..sampling import Sampling
 
     check_source(draft_source)
     if block_size is not None and block_size < 1:
@@ -55,7 +55,7 @@ def processing(repetition_penalty: Optional[float], repetition_context_size: int
 
 def kv_settings(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> dict[str, Any]:
     """--kv-bits, --kv-group-size and --quantized-kv-start, checked, as ``stream_generate`` takes them ({}: off)."""
-    from .caches import KVQuantization
+    from ..models.caches import KVQuantization
 
     kv = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
     if kv is None:
@@ -91,7 +91,7 @@ def logits_processors(settings: dict[str, Any], vocab_size: int) -> Optional[lis
 
 def check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
     """Once the drafter is loaded: a block it was trained for, and a window that holds it."""
-    from .caches import check_block_size, check_window
+    from ..models.caches import check_block_size, check_window
 
     if block_size is not None:
         check_block_size(block_size, drafter)
@@ -147,7 +147,7 @@ def cache_folder(path: str) -> Path:
 
 def check_http_stack() -> None:
     """serve's HTTP stack is an extra: say how to install it rather than fail on an import."""
-    from .system import install_hint
+    from ..system import install_hint
 
     try:
         import prometheus_client  # noqa: F401
@@ -160,7 +160,7 @@ def check_http_stack() -> None:
 
 def check_serving(port: int, keepalive: float, log_level: str, max_batch: Optional[int]) -> None:
     """serve's listening and batching flags."""
-    from .batch import check_max_batch
+    from ..decode.batch import check_max_batch
 
     check_max_batch(max_batch)
     if not 0 < port < 65536:
@@ -189,8 +189,8 @@ def check_bench(repeats: int, num_prompts: int, dataset: str, prompt_tokens: Opt
                 score_timeout: float, score_unisolated: bool, json_out: Optional[str], plot_out: Optional[str],
                 force: bool) -> Optional[list[int]]:
     """bench's flags, the sandbox --score needs and the files it would replace: the --prompt-tokens lengths."""
-    from . import bench
-    from .score import confinement
+    from ..eval.report import check_outputs, require_matplotlib
+    from ..eval.score import confinement
 
     if repeats < 1 or num_prompts < 1:
         raise DFlashError("--repeats and --num-prompts must be >= 1")
@@ -201,7 +201,7 @@ def check_bench(repeats: int, num_prompts: int, dataset: str, prompt_tokens: Opt
     if score and distributed.is_main():  # the only rank that runs the programs
         confinement(score_unisolated)  # refuses before minutes of decoding
     if distributed.is_main():  # the only rank that writes
-        bench.check_outputs({"--json": json_out, "--plot": plot_out}, force)
+        check_outputs({"--json": json_out, "--plot": plot_out}, force)
     if plot_out:
-        bench.require_matplotlib()
+        require_matplotlib()
     return integers(prompt_tokens, "--prompt-tokens", skip_blanks=True) if prompt_tokens else None

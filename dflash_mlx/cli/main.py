@@ -18,18 +18,39 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from . import __version__, distributed
-from .cli_checks import (check_bench, check_http_stack, check_loaded, check_options, check_serving, duration,
-                         integers, kv_settings, logits_processors, origins, processing, prompt_caches,
-                         template_args)
-from .cli_models import bundle_manifests, load_model, pair_rows, thinking_mismatch
-from .cli_output import (generation_json, generation_stats, looping_note, print_machine, print_models,
-                         print_selftest, rank_peaks, serving_line, training_summary)
-from .cli_progress import prefill_progress, training_progress
-from .errors import DFlashError
+from .. import __version__, distributed
+from ..errors import DFlashError
+from .checks import (
+    check_bench,
+    check_http_stack,
+    check_loaded,
+    check_options,
+    check_serving,
+    duration,
+    integers,
+    kv_settings,
+    logits_processors,
+    origins,
+    processing,
+    prompt_caches,
+    template_args,
+)
+from .output import (
+    generation_json,
+    generation_stats,
+    looping_note,
+    print_machine,
+    print_models,
+    print_selftest,
+    rank_peaks,
+    serving_line,
+    training_summary,
+)
+from .pairs import bundle_manifests, load_model, pair_rows, thinking_mismatch
+from .progress import prefill_progress, training_progress
 
 if TYPE_CHECKING:
-    from .generate import GenerationResponse
+    from ..decode.generate import GenerationResponse
 
 app = typer.Typer(
     add_completion=False,
@@ -135,7 +156,7 @@ def _before_decoding(window: Optional[int], sinks: int, block_size: Optional[int
     Every command that decodes gives that warning (Linux only). ``DFLASH_MLX_BLAS_WARNING=0``
     silences it, for those who know (the test suite, which checks what else the commands print).
     """
-    from .system import blas_check
+    from ..system import blas_check
 
     check_loaded(window, sinks, block_size, drafter)
     verdict = blas_check()
@@ -177,8 +198,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
-    from .chat_template import has_chat_template, render, user
-    from .generate import check_context, encode_prompt
+    from ..chat_template import encode_prompt, has_chat_template, render, user
+    from ..decode.generate import check_context
 
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, **sampling)
@@ -207,7 +228,7 @@ def _stream(tgt: Any, drafter: Any, tokenizer: Any, ids: list[int], as_json: boo
             **options: Any) -> tuple[list[GenerationResponse], Optional[int]]:
     """(responses, the exit code of an interruption or None): the text printed as it comes unless --json; Ctrl-C
     and SIGTERM keep what was generated."""
-    from .generate import generate as run
+    from ..decode.generate import generate as run
 
     responses: list[GenerationResponse] = []
 
@@ -245,7 +266,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 def _end_generation(responses: list[GenerationResponse], stopped: Optional[int], as_json: bool) -> None:
     """The JSON (or the reply's last newline) on stdout, the figures on stderr; after an interruption, its exit code
     (``stopped``: 130 after Ctrl-C, 143 after SIGTERM)."""
-    from .generate import INTERRUPTED, GenerationResult
+    from ..decode.generate import INTERRUPTED, GenerationResult
 
     interrupted = stopped is not None
     result = GenerationResult.from_responses(responses, INTERRUPTED if interrupted else None) if responses else None
@@ -289,8 +310,8 @@ def convert(
 ) -> None:
     """Convert a drafter and its target into one offline MLX bundle (optionally quantized), or a GGUF file
     (llama.cpp, Ollama, LM Studio) into an mlx-lm model folder for --target, alone, or `dflash-mlx train`."""
-    from .convert import convert as run
-    from .convert import summary
+    from ..models.convert import convert as run
+    from ..models.convert import summary
 
     if not distributed.is_main():  # it writes files and shards nothing: under mlx.launch rank 0 runs it alone
         return
@@ -319,8 +340,8 @@ def doctor(
     (a bug: please report it with the output).
     """
     if selftest:
-        from .selftest import check_max_tokens
-        from .selftest import selftest as run
+        from ..eval.selftest import check_max_tokens
+        from ..eval.selftest import selftest as run
 
         check_max_tokens(max_tokens)
     elif model is not None or target is not None:
@@ -369,8 +390,8 @@ def chat(
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
 ) -> None:
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
-    from .chat import ChatSession
-    from .cli_chat import converse
+    from ..decode.chat import ChatSession
+    from .chat import converse
 
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
     check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, **sampling)
@@ -423,8 +444,8 @@ def bench(
 
     Ctrl-C stops early and keeps (prints and writes) the prompts measured so far.
     """
-    from . import cli_bench
-    from .loader import load
+    from ..models.loader import load
+    from . import bench as cli_bench
 
     check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
     kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
@@ -484,7 +505,7 @@ def train(
     """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
     if not distributed.is_main():  # it writes files and shards nothing: under mlx.launch rank 0 runs it alone
         return
-    from .train import train as run
+    from ..training.train import train as run
 
     if steps is not None and time_budget is not None:
         raise DFlashError("pass --steps or --time, not both")
@@ -506,7 +527,7 @@ def _training_interrupted(out: str) -> NoReturn:
     """Say what Ctrl-C left (the checkpoint to --resume from, or nothing) and exit 130."""
     from pathlib import Path
 
-    from .train import CHECKPOINT, saved_step
+    from ..training.train import CHECKPOINT, saved_step
 
     step = saved_step(out)
     if step is None:
@@ -560,11 +581,11 @@ def serve(
         "\\[default: rows of 8k tokens in half the memory, at most 8]."),
 ) -> None:
     """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
-    from .caches import KVQuantization
-    from .server.request import Defaults
+    from ..models.caches import KVQuantization
+    from ..server.request import Defaults
 
     check_http_stack()
-    from .server import serve as run
+    from ..server import serve as run
 
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
                   top_p=top_p, top_k=top_k, min_p=min_p)
@@ -588,9 +609,9 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
             **options: Any) -> tuple[str, Any]:
     """(name, engine): the pair loaded under a status line, its prompt caches capped at a quarter of memory
     unless --prompt-cache-bytes says otherwise or the target is sharded."""
-    from .batch import default_max_batch
-    from .server import Engine
-    from .system import machine_description
+    from ..decode.batch import default_max_batch
+    from ..server import Engine
+    from ..system import machine_description
 
     with err.status("loading the model"):
         model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.markup import escape
 
-from . import distributed
+from .. import distributed
 
 
 def generation_stats(result: Any) -> str:
@@ -27,7 +27,7 @@ def generation_stats(result: Any) -> str:
 
 def generation_json(result: Optional[Any], interrupted: bool, peaks: list[float]) -> str:
     """generate --json: the result (an empty one if Ctrl-C came first) with every rank's peak memory."""
-    from .generate import INTERRUPTED
+    from ..decode.generate import INTERRUPTED
 
     figures = result.to_dict() if result else {"text": "", "tokens": [], "finish_reason": INTERRUPTED}
     return json.dumps(figures | {"interrupted": interrupted, "group_size": len(peaks), "rank_peak_memory_gb": peaks})
@@ -74,8 +74,8 @@ def print_machine(out: Console) -> None:
     import mlx.core as mx
     from huggingface_hub import constants
 
-    from .registry import known_bundles
-    from .system import blas_check, machine_description, name_conflict
+    from ..models.registry import known_bundles
+    from ..system import blas_check, machine_description, name_conflict
 
     info = machine_description()
     backend = "Metal GPU" if info["backend"] == "metal" else "CPU"
@@ -102,7 +102,7 @@ def print_machine(out: Console) -> None:
 
 def print_selftest(out: Console, model: str, result: Any, tokenizer: Any, max_tokens: int) -> None:
     """doctor --selftest's report: a line per prompt (where it diverged, and whether that is a near-tie), a verdict."""
-    from .selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE
+    from ..eval.selftest import EXIT_IDENTICAL, EXIT_NEAR_TIE
 
     dtype, limit = str(result.dtype).rsplit(".", 1)[-1], f"{result.threshold:g}"
     out.print(f"selftest      {escape(model)}: plain vs DFlash greedy, {max_tokens} tokens per prompt; "

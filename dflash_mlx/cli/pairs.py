@@ -9,7 +9,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.markup import escape
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def load_model(model: Optional[str], target: Optional[str], chat_template: Optional[str],
@@ -21,11 +21,11 @@ def load_model(model: Optional[str], target: Optional[str], chat_template: Optio
     pair was picked when none was named. Offline, the default pair cannot be downloaded: the
     error then says how to build and use a local one.
     """
-    from .chat_template import read_template
-    from .errors import DownloadError
-    from .loader import load
-    from .registry import default_pair
-    from .system import machine_description
+    from ..chat_template import read_template
+    from ..errors import DownloadError
+    from ..models.loader import load
+    from ..models.registry import default_pair
+    from ..system import machine_description
 
     template = read_template(chat_template) if chat_template is not None else None
     default = model is None
@@ -44,7 +44,7 @@ def load_model(model: Optional[str], target: Optional[str], chat_template: Optio
 
 def thinking_mismatch(model: str, think: Optional[bool]) -> Optional[str]:
     """Why --think/--no-think against the mode the registry's drafter was trained in lowers acceptance."""
-    from .registry import find
+    from ..models.registry import find
 
     pair = find(model)
     if pair is not None and think is not None and pair.thinking in ("on", "off") and think != (pair.thinking == "on"):
@@ -55,7 +55,7 @@ def thinking_mismatch(model: str, think: Optional[bool]) -> Optional[str]:
 
 def bundle_manifests() -> dict[Path, dict[str, Any]]:
     """The converted bundles this machine knows, each with its manifest (what it was converted from, and how)."""
-    from .registry import known_bundles
+    from ..models.registry import known_bundles
 
     return {bundle: json.loads((bundle / "dflash.json").read_text()) for bundle in known_bundles()}
 
@@ -64,11 +64,11 @@ def pair_rows(manifests: dict[Path, dict[str, Any]]) -> list[dict[str, Any]]:
     """The registry's pairs, each with whether it is downloaded and the bundles converted from it."""
     from huggingface_hub import constants, scan_cache_dir
 
-    from .registry import pairs
+    from ..models.registry import pairs
 
     try:
         cached = {repo.repo_id for repo in scan_cache_dir(constants.HF_HUB_CACHE).repos}  # read now, as downloads do
-    except Exception:  # no cache folder yet, or an unreadable one
+    except Exception:  # noqa: BLE001 no cache folder yet, or an unreadable one
         cached = set()
     converted: dict[Any, list[str]] = {}
     for bundle, manifest in manifests.items():

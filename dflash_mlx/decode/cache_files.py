@@ -24,9 +24,9 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from .caches import CacheState
-from .drafter import NoDrafter
-from .errors import DFlashError
+from ..errors import DFlashError
+from ..models.caches import CacheState
+from ..models.drafter import NoDrafter
 
 FORMAT = 2  # of the files: a change to what they hold gets a new number, and old files are left alone
 TEMPORARY = ".tmp.safetensors"  # how the name of a file being written ends (it starts with a dot)

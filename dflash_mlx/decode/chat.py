@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterator, Optional
 from rich.console import Console
 from rich.markup import escape
 
-from . import distributed
-from .caches import KVQuantization, make_cache
-from .chat_template import has_chat_template, render
-from .errors import DFlashError
-from .files import write_atomic
+from .. import distributed
+from ..chat_template import has_chat_template, render
+from ..errors import DFlashError
+from ..files import write_atomic
+from ..models.caches import KVQuantization, make_cache
 from .cache_files import cache_file, fingerprint, read_state, write_state
 from .generate import INTERRUPTED, generate
 from .responses import GenerationResponse, GenerationResult

@@ -28,17 +28,17 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequ
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from .caches import DFlashCache, KVQuantization, check_block_size, check_window, make_cache
-from .distributed import shared_seed
-from .drafter import Drafter, NoDrafter
-from .errors import DFlashError
+from ..chat_template import Prompt, encode_prompt
+from ..distributed import shared_seed
+from ..errors import DFlashError
+from ..models.caches import DFlashCache, KVQuantization, check_block_size, check_window, make_cache
+from ..models.drafter import Drafter, NoDrafter
+from ..models.target import Target
+from ..sampling import Proposal, Sampling, Scores, copy_proposal, position_keys, sample_rows, scores, verify
 from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock, Plan, adaptive_policy, check_source
 from .responses import GenerationResponse, GenerationResult
-from .sampling import Proposal, Sampling, Scores, copy_proposal, position_keys, sample_rows, scores, verify
 from .stops import StopStrings, stop_list
-from .target import Target
 
-Prompt = Union[str, Sequence[int], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (tokens so far, logits [1, V]) -> logits
 
 INTERRUPTED = "interrupted"  # the finish_reason of a generation that Ctrl-C cut short (chat, generate)
@@ -48,19 +48,6 @@ INTERRUPTED = "interrupted"  # the finish_reason of a generation that Ctrl-C cut
 # block (fixed costs per pass; measured 23 us/position at 16, 11 at 128 on a CPU),
 # and the next draft's pass takes at most 63 positions along with its block.
 CATCH_UP = 64
-
-
-def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
-    if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    elif isinstance(prompt, mx.array):
-        ids = prompt.tolist()
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise DFlashError("the prompt is empty")
-    return ids
 
 
 def check_context(max_positions: Optional[int], prompt_tokens: int, max_tokens: int) -> int:

@@ -25,8 +25,8 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .distributed import from_main
-from .errors import DFlashError
+from ..distributed import from_main
+from ..errors import DFlashError
 from .repeats import Repeats
 
 DRAFTER, COPY = "drafter", "copy"

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from .caches import RecurrentCache, WindowKVCache
+from ..models.caches import RecurrentCache, WindowKVCache
 
 
 class RaggedKVCache(_BaseCache):

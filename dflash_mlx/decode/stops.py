@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Union
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def stop_list(stop: Union[None, str, Iterable[str]]) -> tuple[str, ...]:

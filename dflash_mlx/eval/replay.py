@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .batch import BatchPlanner
-from .policy import COPY, DRAFTER, AdaptiveDepth, CycleCosts, DraftPolicy, FixedBlock, Plan
-from .repeats import Repeats
+from ..decode.batch import BatchPlanner
+from ..decode.policy import COPY, DRAFTER, CycleCosts, DraftPolicy, FixedBlock, Plan
+from ..decode.repeats import Repeats
 
 
 @dataclass

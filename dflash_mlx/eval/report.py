@@ -11,17 +11,17 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .errors import DFlashError
-from .files import write_atomic
+from ..errors import DFlashError
+from ..files import write_atomic
+from ..system import install_hint
 from .score import compare
-from .system import install_hint
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from rich.console import Console
 
-    from .bench import Conversation
+    from .prompts import Conversation
 
 
 def flag_counts(records: list[dict[str, Any]]) -> str:
@@ -70,7 +70,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def report(settings: dict[str, Any], records: list[dict[str, Any]], planned: int, interrupted: bool) -> dict[str, Any]:
     """The ``--json`` object: the run's settings, the machine, the summary and every record."""
-    from .system import machine_description
+    from ..system import machine_description
 
     return {**settings, "interrupted": interrupted, "measured": len(records), "planned": planned,
             "machine": machine_description(), "summary": summarize(records), "records": records}

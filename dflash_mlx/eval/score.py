@@ -18,8 +18,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
+from ..errors import DFlashError
 from . import sandbox
-from .errors import DFlashError
 from .sandbox import Jail, Outcome
 
 # The Codex paper's stop sequences: a completion of a function body ends where top-level code starts.

@@ -17,9 +17,10 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from ..chat_template import prompt_ids, user
+from ..errors import DFlashError
 from . import bench
-from .chat_template import prompt_ids, user
-from .errors import DFlashError
+from .prompts import MIXED_SETS, Conversation, builtin
 
 # Gap below which two tokens' logits count as a near-tie, by the dtype activations run in.
 # Each layer's output is rounded to that dtype, so the different summation orders of
@@ -136,7 +137,7 @@ def selftest(
     tokenizer: Any,
     *,
     max_tokens: int = 128,
-    sets: tuple[str, ...] = bench.MIXED_SETS,
+    sets: tuple[str, ...] = MIXED_SETS,
     on_prompt: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> SelftestResult:
     """Plain and DFlash greedy decoding of the first built-in prompt of each of ``sets``, compared.
@@ -148,10 +149,10 @@ def selftest(
     """
     check_max_tokens(max_tokens)
     conversations = []
-    for conv in (bench.builtin(name)[0] for name in sets):
+    for conv in (builtin(name)[0] for name in sets):
         text = conv.turns[0]
         ids = prompt_ids(tokenizer, user(text))
-        conversations.append(bench.Conversation(conv.name, [text], token_ids=ids))
+        conversations.append(Conversation(conv.name, [text], token_ids=ids))
     records = bench.measure(target, drafter, tokenizer, conversations, max_tokens=max_tokens, on_record=on_prompt)
     threshold = near_tie_threshold(target.dtype)
     checks = []

@@ -19,13 +19,13 @@ from typing import Any, Iterable
 import mlx.core as mx
 import numpy as np
 
-from .drafter import Blocks, Drafter
-from .errors import DFlashError
-from .files import write_atomic
-from .generate import generate
+from ..decode.generate import generate
+from ..errors import DFlashError
+from ..files import write_atomic
+from ..models.drafter import Blocks, Drafter
+from ..models.target import Target
+from ..sampling import Sampling, position_keys, sample_rows
 from .replay import CostProfile, Trace
-from .sampling import Sampling, position_keys, sample_rows
-from .target import Target
 
 ANCHORS_PER_PASS = 64  # blocks per drafter pass: bounds the [rows, context + rows] attention
 
@@ -109,7 +109,7 @@ def measure_costs(target: Target, drafter: Drafter, tokenizer: Any, contexts: li
     """
     from mlx_lm.generate import generate_step
 
-    from .bench import context_prompts
+    from .prompts import context_prompts
 
     B = drafter.block_size
     plain, cycle = [], []
@@ -137,9 +137,9 @@ def measure_batch_cycles(target: Target, drafter: Drafter, tokenizer: Any, rows:
                          cycles: int = 16, repeats: int = 3) -> float:
     """Seconds of one cycle of a batch of ``rows`` rows, each drafting ``depth`` tokens from the drafter (0: plain
     steps), at about ``context`` tokens each: the median of ``repeats`` runs of ``cycles`` timed cycles."""
-    from .batch import Batch
-    from .bench import context_prompts
-    from .generate import prefill, setup
+    from ..decode.batch import Batch
+    from ..decode.generate import prefill, setup
+    from .prompts import context_prompts
 
     ids = context_prompts(tokenizer, [context], target.max_positions)[0].token_ids
     runs = []

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> None:

@@ -24,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import __version__
-from .errors import DFlashError
+from .. import __version__
+from ..errors import DFlashError
 from .loader import cast_floats, check_pair, check_target_folder, is_drafter, load_drafter, resolve
 from .registry import MANIFEST, remember_bundle
 from .registry import resolve as registry_resolve

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import DFlashError
+from ..sampling import Proposal, Sampling
 from .drafter import Blocks, Cache, DecoderLayer, Drafter, DrafterArgs
-from .errors import DFlashError
-from .sampling import Proposal, Sampling
 
 if TYPE_CHECKING:
     from .target import Target

@@ -25,9 +25,9 @@ from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..errors import DFlashError
+from ..sampling import Proposal, Sampling
 from .caches import WindowKVCache
-from .errors import DFlashError
-from .sampling import Proposal, Sampling
 
 if TYPE_CHECKING:
     from .target import Target

@@ -40,8 +40,8 @@ def _corpus(large: bool = False) -> list[str]:
         files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         return [f.read_text(encoding="utf-8", errors="ignore") for f in files]
     import json as m1
-    import textwrap as m2
     import string as m3
+    import textwrap as m2
 
     return [inspect.getsource(m) for m in (m1, m2, m3, inspect)]
 

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 # GGUF tensor name (after ``blk.N.``) -> mlx-lm name (after ``model.layers.N.``), per architecture family.
 _LAYER = {

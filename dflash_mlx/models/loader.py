@@ -13,10 +13,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-from . import distributed
+from .. import distributed
+from ..errors import DFlashError, DownloadError
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from .drafter import Drafter, DrafterArgs, NoDrafter
-from .errors import DFlashError, DownloadError
 from .registry import is_bundle
 from .registry import resolve as registry_resolve
 from .target import Target, check_model_type
@@ -44,7 +44,10 @@ def resolve(name: str, what: str) -> Path:
         raise DFlashError(f"{what} {name}: no such folder")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
-        GatedRepoError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
     )
 
     try:
@@ -106,7 +109,7 @@ def load_weights(files: list[Path]) -> dict[str, mx.array]:
     for f in files:
         try:
             weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises bare RuntimeError/ValueError on bad files
+        except Exception as e:  # noqa: BLE001 mlx raises bare RuntimeError/ValueError on bad files
             raise DFlashError(f"cannot read {f}: corrupt or not a safetensors file ({e})") from None
     return weights
 
@@ -265,7 +268,7 @@ def load_target(
         return sharded_load(str(path), tensor_group=group, tokenizer_config=extra)
     except DFlashError:
         raise
-    except Exception as e:  # mlx-lm reports bad folders with many exception types, some over several lines
+    except Exception as e:  # noqa: BLE001 mlx-lm reports bad folders with many exception types, some over several lines
         reason = textwrap.shorten(str(e), 300, placeholder=" ...") or type(e).__name__
         raise DFlashError(f"cannot load target {path}: {reason}") from None
 

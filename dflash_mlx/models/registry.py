@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .target import SUPPORTED_MODEL_TYPES
 
 MANIFEST = "dflash.json"  # marks a converted bundle folder
@@ -73,7 +73,7 @@ def remember_bundle(path: Path) -> None:
 
     A failure to note it (read-only home, a corrupt list) costs only that: the bundle is written.
     """
-    from .files import write_atomic
+    from ..files import write_atomic
 
     listed = sorted({str(path.resolve()), *map(str, _remembered())})
     try:

@@ -23,8 +23,8 @@ from mlx_lm.models.base import create_attention_mask, gather_last_axis
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from ..errors import DFlashError
 from .caches import RecurrentCache, WindowKVCache
-from .errors import DFlashError
 
 # model_type values whose forward this adapter reproduces, each tested lossless.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")

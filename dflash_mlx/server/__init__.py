@@ -8,6 +8,7 @@ coding agents (Claude Code, Codex CLI, Qwen Code).
   entry in ``app.DIALECTS``.
 - ``app``: the application and the server's lifecycle; ``routes``: the HTTP handlers, streams with keep-alives.
 - ``prompt_cache``: many conversations' caches, in memory and on disk.
+- ``replies``: a chat reply split into content, reasoning and tool calls as it streams.
 """
 
 from .app import create_app, serve

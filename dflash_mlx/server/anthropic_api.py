@@ -20,9 +20,24 @@ import logging
 import uuid
 from typing import Any, Optional
 
-from ..replies import ToolCall
-from .request import (APIError, Blocks, Completion, Dialect, Event, Model, budget, chat_ids, flag, number, processing,
-                      sampling, stops, text_only, tool_choice)
+from .replies import ToolCall
+from .request import (
+    APIError,
+    Blocks,
+    Completion,
+    Dialect,
+    Event,
+    Model,
+    budget,
+    chat_ids,
+    flag,
+    number,
+    processing,
+    sampling,
+    stops,
+    text_only,
+    tool_choice,
+)
 
 SIGNATURE = "dflash-mlx"  # a thinking block's signature: clients require one; this server never checks it
 STOP_SEQUENCES = 64  # the most a request may give

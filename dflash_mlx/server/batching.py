@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterator, Optional
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from ..batch import Batch, BatchCycle, batch_planner, own_policy
-from ..caches import make_cache
+from ..decode.batch import Batch, BatchCycle, batch_planner, own_policy
+from ..decode.generate import Emitted, Request, prefill_steps, setup
+from ..decode.responses import GenerationResponse, GenerationResult
 from ..errors import DFlashError
-from ..generate import Emitted, Request, prefill_steps, setup
-from ..responses import GenerationResponse, GenerationResult
+from ..models.caches import make_cache
 from .engine import Engine, Job, failure, figures
 from .request import APIError
 

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..cache_files import fingerprint
-from ..batch import Batch, check_max_batch
-from ..caches import KVQuantization, make_cache
+from ..decode.batch import Batch, check_max_batch
+from ..decode.cache_files import fingerprint
+from ..decode.generate import stream_generate
+from ..decode.responses import GenerationResponse, GenerationResult
 from ..distributed import from_main, from_main_bytes
 from ..errors import DFlashError
-from ..generate import stream_generate
-from ..responses import GenerationResponse, GenerationResult
+from ..models.caches import KVQuantization, make_cache
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .request import APIError, Completion, Defaults

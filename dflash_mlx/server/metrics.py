@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..responses import GenerationResult
+from ..decode.responses import GenerationResult
 
 
 class Metrics:

@@ -13,10 +13,26 @@ import time
 import uuid
 from typing import Any, Optional
 
-from ..generate import encode_prompt
-from ..replies import Reply, ToolCall
-from .request import (TOP_LOGPROBS, APIError, Completion, Dialect, Event, Model, budget, chat_ids, flag, number,
-                      processing, sampling, stops, text_only, thinking_from_effort, tool_choice)
+from ..chat_template import encode_prompt
+from .replies import Reply, ToolCall
+from .request import (
+    TOP_LOGPROBS,
+    APIError,
+    Completion,
+    Dialect,
+    Event,
+    Model,
+    budget,
+    chat_ids,
+    flag,
+    number,
+    processing,
+    sampling,
+    stops,
+    text_only,
+    thinking_from_effort,
+    tool_choice,
+)
 
 # Parameters that would change the answer and that this server does not implement: refused, never ignored.
 UNSUPPORTED = {

@@ -28,8 +28,8 @@ import hashlib
 import logging
 import os
 import queue
-import threading
 import textwrap
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +38,9 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..cache_files import FORMAT, TEMPORARY, is_temporary, read_header, read_state, write_state
-from ..caches import CacheState, DFlashCache
+from ..decode.cache_files import FORMAT, TEMPORARY, is_temporary, read_header, read_state, write_state
 from ..errors import DFlashError
+from ..models.caches import CacheState, DFlashCache
 
 log = logging.getLogger("dflash_mlx.serve")
 

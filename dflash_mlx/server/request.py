@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..chat_template import fold_system, has_chat_template, render
+from ..decode.generate import check_context
+from ..decode.stops import stop_list
 from ..errors import DFlashError
-from ..generate import check_context
-from ..replies import Reply, ToolCall
 from ..sampling import Sampling
-from ..stops import stop_list
+from .replies import Reply, ToolCall
 
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
 TEXT_ONLY = "this model reads text only"  # how every dialect refuses an image, audio or file part

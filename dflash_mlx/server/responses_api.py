@@ -23,9 +23,23 @@ import time
 import uuid
 from typing import Any, Optional
 
-from ..replies import ToolCall
-from .request import (APIError, Blocks, Completion, Dialect, Event, Model, budget, chat_ids, flag, processing, sampling,
-                      text_only, thinking_from_effort, tool_choice)
+from .replies import ToolCall
+from .request import (
+    APIError,
+    Blocks,
+    Completion,
+    Dialect,
+    Event,
+    Model,
+    budget,
+    chat_ids,
+    flag,
+    processing,
+    sampling,
+    text_only,
+    thinking_from_effort,
+    tool_choice,
+)
 
 log = logging.getLogger("dflash_mlx.serve")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
 
-from .chat_template import prompt_ids, user
-from .errors import DFlashError
-from .files import write_atomic
+from ..chat_template import prompt_ids, user
+from ..errors import DFlashError
+from ..files import write_atomic
 
 if TYPE_CHECKING:
-    from .target import Target
+    from ..models.target import Target
 
 Prompt = Union[str, list[dict[str, str]]]
 Sequences = list[tuple[list[int], list[int]]]  # (prompt ids, response ids) pairs

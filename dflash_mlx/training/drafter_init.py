@@ -22,9 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .drafter import Drafter
-from .errors import DFlashError
-from .target import Target
+from ..errors import DFlashError
+from ..models.drafter import Drafter
+from ..models.target import Target
 
 
 def pick_mask_token(tokenizer: Any, target: Target) -> int:

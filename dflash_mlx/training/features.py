@@ -18,9 +18,9 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from .errors import DFlashError
-from .files import write_atomic
-from .target import Target
+from ..errors import DFlashError
+from ..files import write_atomic
+from ..models.target import Target
 
 FEATURES = "features.npy"
 INDEX = "features.json"

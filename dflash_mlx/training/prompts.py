@@ -22,7 +22,7 @@ from importlib import resources
 
 import numpy as np
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 _MODULES = ("string", "textwrap", "statistics", "heapq", "bisect", "fnmatch", "difflib", "calendar", "colorsys",
             "html", "base64", "shlex", "posixpath", "glob", "csv", "ipaddress", "fractions", "random", "json",

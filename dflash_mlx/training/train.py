@@ -38,17 +38,17 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator
 
-from .bench import degenerate
-from .drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids
+from ..decode.generate import generate
+from ..errors import DFlashError
+from ..eval.bench import degenerate
+from ..files import write_atomic
+from ..models.drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids
+from ..models.loader import cast_floats, check_pair, load_drafter, load_target, resolve
+from ..models.target import Target
+from .data import Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
 from .drafter_init import draft_config, init_from_target, pick_mask_token
-from .errors import DFlashError
-from .files import write_atomic
-from .generate import generate
-from .loader import cast_floats, check_pair, load_drafter, load_target, resolve
-from .target import Target
-from .train_data import Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
-from .train_features import FeatureStore, feature_store
-from .train_prompts import synthetic_prompts
+from .features import FeatureStore, feature_store
+from .prompts import synthetic_prompts
 
 Progress = Callable[[dict[str, Any]], None]
 
