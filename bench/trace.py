@@ -20,8 +20,9 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
-from dflash_mlx import load
+from dflash_mlx import load  # noqa: E402
 from dflash_mlx.eval import traces  # noqa: E402
 from dflash_mlx.eval.prompts import builtin, context_prompts, read_jsonl  # noqa: E402
 from dflash_mlx.chat_template import has_chat_template, prompt_ids  # noqa: E402
@@ -43,6 +44,7 @@ def main() -> None:
                     help="put this many tokens of natural text before every prompt (long-context traces)")
     ap.add_argument("--contexts", default="256,2048", help="context lengths at which cycle costs are measured")
     ap.add_argument("--out", type=Path, help="OUT.jsonl and OUT.profile.json (default: bench/.cache/traces/NAME)")
+    ap.add_argument("--costs-only", action="store_true", help="keep OUT.jsonl, measure the costs again (a quiet machine)")
     args = ap.parse_args()
     if args.random == (args.pair is not None):
         ap.error("give --pair DIR or --random")
@@ -54,6 +56,19 @@ def main() -> None:
     print_machine()
 
     target, drafter, tokenizer = load(str(pair / "draft"), str(pair / "target"))
+    if not args.costs_only:
+        record(args, pair, target, drafter, tokenizer, traces_file)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    profile = traces.measure_costs(target, drafter, tokenizer, contexts, name="this machine (measured)")
+    write_atomic(str(profile_file), json.dumps(profile.to_dict(), indent=1))
+    for c, plain, row in zip(profile.contexts, profile.plain, profile.cycle):
+        print(f"context {c:>6}: mlx-lm step {1e3 * plain:.2f} ms; cycle at k = 0, 1, 4, 15: "
+              + ", ".join(f"{row[k] / plain:.2f}" for k in (0, 1, 4, len(row) - 1)) + " plain steps")
+    print(f"costs -> {profile_file}")
+
+
+def record(args: argparse.Namespace, pair: Path, target: Any, drafter: Any, tokenizer: Any, traces_file: Path) -> None:
+    """The traces of the chosen prompts, written to ``traces_file``."""
     conversations = builtin("chat")
     if args.dataset:
         conversations = builtin(args.dataset)
@@ -76,14 +91,6 @@ def main() -> None:
             "max_tokens": args.max_tokens, "block_size": drafter.block_size, "machine": machine_description()}
     traces.write(str(traces_file), recorded, meta)
     print(f"traces: {len(recorded)} prompts in {time.perf_counter() - tic:.0f} s -> {traces_file}")
-
-    contexts = [int(c) for c in args.contexts.split(",")]
-    profile = traces.measure_costs(target, drafter, tokenizer, contexts, name="this machine (measured)")
-    write_atomic(str(profile_file), json.dumps(profile.to_dict(), indent=1))
-    for c, plain, row in zip(profile.contexts, profile.plain, profile.cycle):
-        print(f"context {c:>6}: mlx-lm step {1e3 * plain:.2f} ms; cycle at k = 0, 1, 4, 15: "
-              + ", ".join(f"{row[k] / plain:.2f}" for k in (0, 1, 4, len(row) - 1)) + " plain steps")
-    print(f"costs -> {profile_file}")
 
 
 if __name__ == "__main__":
