@@ -11,8 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 from .decode.batch import batch_generate
 from .decode.generate import generate, stream_generate
 from .decode.responses import GenerationResponse, GenerationResult
+from .decode.transaction import DFlashCache, make_cache
 from .errors import DFlashError
-from .models.caches import DFlashCache, make_cache
 from .models.drafter import Drafter
 from .models.loader import load, load_drafter
 from .models.target import Target

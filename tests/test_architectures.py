@@ -12,7 +12,8 @@ from helpers import plain_greedy
 
 from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
 from dflash_mlx.decode.batch import Batch, batch_generate
-from dflash_mlx.decode.generate import prefill, setup
+from dflash_mlx.decode.cycle import prefill
+from dflash_mlx.decode.generate import setup
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.caches import RecurrentCache, trim_to
 

@@ -11,11 +11,13 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, generate, load, stream_generate
 from dflash_mlx.decode.batch import Batch, BatchPlanner, batch_generate
-from dflash_mlx.decode.generate import prefill, setup
+from dflash_mlx.decode.cycle import prefill
+from dflash_mlx.decode.generate import setup
 from dflash_mlx.decode.policy import COPY, AdaptiveDepth, Plan
 from dflash_mlx.decode.ragged import RaggedKVCache
 from dflash_mlx.decode.repeats import Repeats
-from dflash_mlx.models.caches import WindowKVCache, make_cache
+from dflash_mlx.decode.transaction import make_cache
+from dflash_mlx.models.caches import WindowKVCache
 
 # Prompts of different lengths: the rows' histories differ in length from the first cycle on.
 MANY = PROMPTS + ["hi", "A much longer prompt that runs on for a while, so that its row is longer than the others"]

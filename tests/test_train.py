@@ -22,12 +22,8 @@ from dflash_mlx import DFlashError, generate, load
 from dflash_mlx.cli.main import app
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.drafter import Blocks, Drafter, DrafterArgs, block_mask
-from dflash_mlx.training.train import (
-    block_labels,
-    load_checkpoint,
-    sample_anchors,
-    train,
-)
+from dflash_mlx.training.objective import block_labels, sample_anchors
+from dflash_mlx.training.train import load_checkpoint, train
 
 PROMPTS = [
     {"prompt": "def fibonacci(n):"},

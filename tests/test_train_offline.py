@@ -16,8 +16,9 @@ from dflash_mlx.models.loader import load_target
 from dflash_mlx.training.data import prepare_data
 from dflash_mlx.training.drafter_init import draft_config
 from dflash_mlx.training.features import FEATURES, INDEX, feature_store
+from dflash_mlx.training.objective import Head, block_loss, make_batch, position_weights
 from dflash_mlx.training.prompts import _evaluation_prompts, synthetic_prompts
-from dflash_mlx.training.train import Head, _feature_target, block_loss, make_batch, position_weights
+from dflash_mlx.training.train import _feature_target
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_the_sub_head_scores_as_the_full_head_does_on_its_tokens(target_path, qu
 
     # The sampled others stand for all the others: the loss with them is the full loss, nearly; without, lower.
     kept_only = block_loss(drafter, target, batch, weights, head).item()
-    monkeypatch.setattr("dflash_mlx.training.train.NEGATIVES", 64)  # a sample of the others, as on a real vocabulary
+    monkeypatch.setattr("dflash_mlx.training.objective.NEGATIVES", 64)  # a sample of the others, as on a real vocabulary
     rng = np.random.default_rng(0)
     estimates = []
     for _ in range(8):

@@ -14,7 +14,7 @@ from helpers import plain_greedy
 
 from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
 from dflash_mlx.decode.chat import ChatSession
-from dflash_mlx.decode.generate import CATCH_UP
+from dflash_mlx.decode.cycle import CATCH_UP
 from dflash_mlx.decode.policy import FixedBlock
 from dflash_mlx.models import fixtures
 

@@ -31,12 +31,14 @@ from mlx_lm.models.cache import KVCache
 
 from ..chat_template import Prompt
 from ..errors import DFlashError
-from ..models.caches import DFlashCache, RecurrentCache, WindowKVCache
+from ..models.caches import RecurrentCache, WindowKVCache
 from ..models.target import Target
-from .generate import Emitted, InFlight, Request, Row, decode, prefill, responses_of, setup
+from .cycle import Emitted, InFlight, Row, decode, prefill
+from .generate import Request, responses_of, setup
 from .policy import COPY, AdaptiveDepth, CycleCosts, Plan
 from .ragged import RowView, ragged_layer
 from .responses import GenerationResponse, GenerationResult
+from .transaction import DFlashCache
 
 SOLO = {"full": KVCache, "sliding": WindowKVCache, "linear": RecurrentCache}  # a layer's cache alone, by kind
 ROW_TOKENS = 8192  # the context one row of a batch is sized for (an agent's prompt and reply)

@@ -25,8 +25,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
-from ..models.caches import CacheState
 from ..models.drafter import NoDrafter
+from .transaction import CacheState
 
 FORMAT = 2  # of the files: a change to what they hold gets a new number, and old files are left alone
 TEMPORARY = ".tmp.safetensors"  # how the name of a file being written ends (it starts with a dot)

@@ -20,10 +20,11 @@ from .. import distributed
 from ..chat_template import has_chat_template, render
 from ..errors import DFlashError
 from ..files import write_atomic
-from ..models.caches import KVQuantization, make_cache
+from ..models.caches import KVQuantization
 from .cache_files import cache_file, fingerprint, read_state, write_state
 from .generate import INTERRUPTED, generate
 from .responses import GenerationResponse, GenerationResult
+from .transaction import make_cache
 
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
 HISTORY_LENGTH = 1000

@@ -138,7 +138,8 @@ def measure_batch_cycles(target: Target, drafter: Drafter, tokenizer: Any, rows:
     """Seconds of one cycle of a batch of ``rows`` rows, each drafting ``depth`` tokens from the drafter (0: plain
     steps), at about ``context`` tokens each: the median of ``repeats`` runs of ``cycles`` timed cycles."""
     from ..decode.batch import Batch
-    from ..decode.generate import prefill, setup
+    from ..decode.cycle import prefill
+    from ..decode.generate import setup
     from .prompts import context_prompts
 
     ids = context_prompts(tokenizer, [context], target.max_positions)[0].token_ids

@@ -23,10 +23,11 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..decode.batch import Batch, BatchCycle, batch_planner, own_policy
-from ..decode.generate import Emitted, Request, prefill_steps, setup
+from ..decode.cycle import Emitted, prefill_steps
+from ..decode.generate import Request, setup
 from ..decode.responses import GenerationResponse, GenerationResult
+from ..decode.transaction import make_cache
 from ..errors import DFlashError
-from ..models.caches import make_cache
 from .engine import Engine, Job, failure, figures
 from .request import APIError
 

@@ -25,9 +25,10 @@ from ..decode.batch import Batch, check_max_batch
 from ..decode.cache_files import fingerprint
 from ..decode.generate import stream_generate
 from ..decode.responses import GenerationResponse, GenerationResult
+from ..decode.transaction import make_cache
 from ..distributed import from_main, from_main_bytes
 from ..errors import DFlashError
-from ..models.caches import KVQuantization, make_cache
+from ..models.caches import KVQuantization
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .request import APIError, Completion, Defaults

@@ -39,8 +39,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.cache_files import FORMAT, TEMPORARY, is_temporary, read_header, read_state, write_state
+from ..decode.transaction import CacheState, DFlashCache
 from ..errors import DFlashError
-from ..models.caches import CacheState, DFlashCache
 
 log = logging.getLogger("dflash_mlx.serve")
 

@@ -1,6 +1,6 @@
 """The training corpus: prompts read and split once into training and held-out sets, and the data cache.
 
-Prompts come from a JSONL file or the built-in set (``train_prompts``). The target's replies to the training
+Prompts come from a JSONL file or the built-in set (``prompts``). The target's replies to the training
 prompts are cached with the prompt ids in ``OUT/data.json`` under a key naming everything they
 depend on, so a resumed run never regenerates them. The replies themselves come from the
 caller (``train.respond`` runs the target): this module runs no model.

@@ -3,12 +3,12 @@
 Pipeline. Prompts (a JSONL file or ``prompt_count`` built-in ones) are split once into training and
 held-out sets. The target answers each training prompt greedily; those token ids are cached
 in ``OUT/data.json``, so a resumed run never regenerates them. The frozen target's features of
-every sequence are computed once into ``OUT/features.npy`` (``train_features``). Each step reads
-a few sequences' features, cuts many blocks [anchor token, MASK x (B-1)]
-out of each response, drafts all blocks of a sequence in one pass of the very ``Drafter``
-inference uses (``drafter.Blocks``: an explicit mask per layer window keeps blocks apart and
-hides the context from the anchor on), and scores block positions 1..B-1 through the target's frozen LM head. The result is a
-z-lab layout checkpoint in OUT, measured by tau on the held-out prompts.
+every sequence are computed once into ``OUT/features.npy`` (``features``). Each step reads
+a few sequences' features and optimizes ``objective``: many blocks [anchor token, MASK x (B-1)] cut
+out of each response, drafted in one pass of the very ``Drafter`` inference uses (an explicit mask per
+layer window keeps blocks apart and hides the context from the anchor on), block positions 1..B-1
+scored through the target's frozen LM head. The result is a z-lab layout checkpoint in OUT, measured by
+tau on the held-out prompts.
 
 Choices the paper leaves open (initialisation and the mask token: see ``drafter_init``):
 
@@ -25,11 +25,10 @@ Choices the paper leaves open (initialisation and the mask token: see ``drafter_
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,17 +41,17 @@ from ..decode.generate import generate
 from ..errors import DFlashError
 from ..eval.bench import degenerate
 from ..files import write_atomic
-from ..models.drafter import Blocks, Drafter, DrafterArgs, default_target_layer_ids
+from ..models.drafter import Drafter, DrafterArgs, default_target_layer_ids
 from ..models.loader import cast_floats, check_pair, load_drafter, load_target, resolve
 from ..models.target import Target
 from .data import Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
 from .drafter_init import draft_config, init_from_target, pick_mask_token
 from .features import FeatureStore, feature_store
+from .objective import Batch, Head, block_loss, learning_rate, make_batch, position_weights
 from .prompts import synthetic_prompts
 
 Progress = Callable[[dict[str, Any]], None]
 
-WARMUP = 0.04  # share of training spent warming up
 GRAD_CLIP = 1.0
 CHECKPOINT = "checkpoint"
 REPLY_BATCH = 64  # replies generated at once (on 2 CPU cores: 133 tok/s against 107 at 32)
@@ -96,154 +95,6 @@ def respond(
     finally:
         generator.close()
     return [replies[uid] for uid in uids]
-
-
-# --- the objective --------------------------------------------------------------------------
-
-
-def loss_gamma(block_size: int) -> float:
-    """Decay of the position weights: the published 4, 5, 7 at B = 8, 10, 16, linear between, held beyond."""
-    return float(np.interp(block_size, [8, 10, 16], [4.0, 5.0, 7.0]))
-
-
-def position_weights(block_size: int) -> mx.array:
-    """exp(-(k-1)/gamma) for k = 1..B-1: early positions matter most, as acceptance stops at the first miss."""
-    k = mx.arange(1, block_size, dtype=mx.float32)
-    return mx.exp(-(k - 1) / loss_gamma(block_size))
-
-
-def sample_anchors(rng: np.random.Generator, prompt_len: int, seq_len: int, block_size: int, n: int) -> np.ndarray:
-    """``n`` sorted anchors in the response whose whole block fits (a + B - 1 < seq_len).
-
-    Without replacement when the response has room for ``n``, else with (short replies
-    still give full-sized batches).
-    """
-    valid = np.arange(prompt_len, seq_len - block_size + 1)
-    return np.sort(rng.choice(valid, size=n, replace=len(valid) < n))
-
-
-def block_labels(seq: Sequence[int], anchors: Sequence[int], block_size: int) -> np.ndarray:
-    """[N, B-1]: block position k (1..B-1) predicts seq[anchor + k] (not anchor + k + 1)."""
-    return np.asarray(seq)[np.asarray(anchors)[:, None] + np.arange(1, block_size)]
-
-
-@dataclass
-class Batch:
-    features: mx.array  # [S, L, F] frozen target features, zero-padded to the longest sequence
-    embeddings: mx.array  # [S, N*B, H] the target's embeddings of the blocks
-    anchors: np.ndarray  # [S, N] each block's first position
-    labels: mx.array  # [S, N, B-1]
-    negatives: Optional[mx.array] = None  # the head rows sampled into this step's softmax (``Head``)
-
-    @property
-    def tokens(self) -> int:
-        return self.labels.size
-
-
-def make_batch(
-    target: Target, sequences: list[tuple[list[int], list[int]]], stored: list[mx.array], rng: np.random.Generator,
-    anchors: int, block_size: int, mask_token: int,
-) -> Batch:
-    """Blocks cut from (prompt, response) pairs, with the target's stored features of each whole sequence.
-
-    Padding never leaks: it lies beyond every anchor, so the mask hides it.
-    """
-    length = max(len(p) + len(r) for p, r in sequences)
-    features, blocks, rows, labels = [], [], [], []
-    for (prompt, response), f in zip(sequences, stored):
-        seq = prompt + response
-        features.append(mx.pad(f, [(0, length - len(seq)), (0, 0)]))
-        a = sample_anchors(rng, len(prompt), len(seq), block_size, anchors)
-        block = np.full((anchors, block_size), mask_token)
-        block[:, 0] = np.asarray(seq)[a]
-        blocks.append(block.reshape(-1))
-        rows.append(a)
-        labels.append(block_labels(seq, a, block_size))
-    return Batch(
-        features=mx.stack(features).astype(mx.float32),
-        embeddings=mx.stop_gradient(target.embed(mx.array(np.stack(blocks)))).astype(mx.float32),
-        anchors=np.stack(rows),
-        labels=mx.array(np.stack(labels)),
-    )
-
-
-NEGATIVES = 2048  # tokens outside the sub-head sampled into each step's softmax
-
-
-@dataclass
-class Head:
-    """The target's LM head as the loss sees it: the tokens the training sequences hold, plus a sample of the rest.
-
-    The loss's cost is the vocabulary projection of every block position and its gradient (over
-    90% of a step on SmolLM2's 49k vocabulary). Labels are tokens the target wrote, so the softmax
-    runs over the tokens the sequences hold (a tenth of SmolLM2's vocabulary) and ``NEGATIVES`` others
-    drawn each step, whose sum stands for all the others (sampled softmax): without them nothing
-    would push the unseen tokens down, and the full head at inference drafts them (measured: first
-    positions 0% right after 25 steps, as against 4% with every token scored).
-    """
-
-    rows: mx.array  # [V', H] the head's weight rows (dequantized) for the kept tokens
-    lookup: np.ndarray  # token id -> its index in ``rows`` (-1: not kept)
-    others: np.ndarray  # the ids not kept
-    weight: Callable[[mx.array], mx.array]  # the head's rows for any ids, float32
-
-    @classmethod
-    def of(cls, target: Target, sequences: Sequences) -> Optional[Head]:
-        """The sub-head, or None where the head is not a plain (or quantized) matrix: then the full head scores."""
-        module = getattr(target.lm, "lm_head", None) or target.body.embed_tokens
-        if getattr(target.lm, "sharding_group", None) is not None or "bias" in module:
-            return None
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            biases = module.get("biases")
-
-            def weight(ids: mx.array) -> mx.array:
-                return mx.dequantize(module.weight[ids], module.scales[ids], None if biases is None else biases[ids],
-                                     module.group_size, module.bits, mode=module.mode).astype(mx.float32)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            def weight(ids: mx.array) -> mx.array:
-                return module.weight[ids].astype(mx.float32)
-        else:
-            return None
-        ids = np.unique(np.concatenate([np.asarray(p + r, dtype=np.int64) for p, r in sequences]))
-        lookup = np.full(target.vocab_size, -1, dtype=np.int64)
-        lookup[ids] = np.arange(len(ids))
-        return cls(rows=weight(mx.array(ids)), lookup=lookup, others=np.nonzero(lookup < 0)[0], weight=weight)
-
-    def sample(self, rng: np.random.Generator) -> Optional[mx.array]:
-        """This step's negatives: the head's rows of ``NEGATIVES`` ids drawn from the others."""
-        if not len(self.others):
-            return None
-        return self.weight(mx.array(rng.choice(self.others, size=min(NEGATIVES, len(self.others)), replace=False)))
-
-    def logits(self, h: mx.array, negatives: Optional[mx.array]) -> mx.array:
-        """The kept tokens' logits, then the negatives' shifted by log(others / sampled): their softmax mass
-        estimates the mass of all the others."""
-        kept = h @ self.rows.T
-        if negatives is None:
-            return kept
-        shift = math.log(len(self.others) / negatives.shape[0])
-        return mx.concatenate([kept, h @ negatives.T + shift], axis=-1)
-
-
-def block_loss(drafter: Drafter, target: Target, batch: Batch, weights: mx.array, head: Optional[Head]) -> mx.array:
-    """Position-weighted cross-entropy of block positions 1..B-1 through the target's frozen LM head."""
-    S, N, k = batch.labels.shape
-    blocks = Blocks(batch.anchors, batch.features.shape[1], k + 1)
-    h = drafter(batch.embeddings, batch.features, blocks)  # the inference modules, with training's masks
-    h = h.reshape(S, N, k + 1, -1)[:, :, 1:]
-    if head is None:
-        logits, labels = target.lm_head(h.astype(target.dtype)), batch.labels
-    else:
-        logits, labels = head.logits(h, batch.negatives), mx.array(head.lookup[np.array(batch.labels)])
-    ce = nn.losses.cross_entropy(drafter.compute_logits(logits).astype(mx.float32), labels)
-    return (ce * weights).sum(-1).mean() / weights.sum()
-
-
-def learning_rate(progress: float, peak: float) -> float:
-    """Linear warmup from 10% of ``peak`` over the first 4% of training, then cosine to 0."""
-    if progress < WARMUP:
-        return peak * (0.1 + 0.9 * progress / WARMUP)
-    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - WARMUP) / (1 - WARMUP))))
 
 
 # --- checkpoints and evaluation -------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""The command line's frame: the Typer app, how errors and Ctrl-C end a command, and the options commands share.
+
+Commands live in ``main`` (and ``serve``, ``train``); every one is wrapped in ``user_errors`` so that a
+``DFlashError`` is one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .. import __version__, distributed
+from ..errors import DFlashError
+from .checks import check_loaded
+
+if TYPE_CHECKING:
+    pass
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="DFlash block-diffusion speculative decoding on Apple Silicon, in pure MLX.",
+)
+err = Console(stderr=True, highlight=False)
+
+
+def fail(message: str) -> None:
+    """One clear line on stderr, exit status 2 (from every rank of a group: it may be this rank's alone)."""
+    if err.quiet:
+        sys.stderr.write(f"rank {distributed.rank()}: error: {message}\n")
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn DFlashError into one line and exit 2; Ctrl-C into exit 130 without a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DFlashError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            err.print("\n[yellow]interrupted[/]")
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dflash-mlx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Under ``mlx.launch`` every rank runs the command; only rank 0 speaks (errors aside)."""
+    try:
+        quiet = not distributed.is_main()
+    except DFlashError as e:
+        fail(str(e))
+    if quiet:
+        err.quiet = True
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+
+
+TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
+MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate (per reply).")
+BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle \\[default: adaptive, up to the drafter's block].")
+WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
+SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
+TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
+TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this much mass.")
+TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0: all).")
+MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability.")
+SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
+VERIFY = typer.Option("auto", "--verify", help="Sampled verification: rejection (accepts more), match, or auto: "
+                                                "rejection, match with --seed (which keeps the adaptive depth).")
+
+
+PREFILL_STEP = typer.Option(
+    None, "--prefill-step", help="Prefill this many tokens at a time \\[default: 2048, window/16 with --window]."
+)
+TEMPLATE = typer.Option(
+    None, "--chat-template", help="A chat template, as a Jinja file or its text, for a model without one (or instead of its own)."
+)
+TEMPLATE_ARGS = typer.Option(
+    None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON: '{\"enable_thinking\": false}'."
+)
+KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits (4 or 8, as mlx-lm) "
+                                                 "once it holds --quantized-kv-start tokens \\[default: off].")
+KV_GROUP = typer.Option(64, "--kv-group-size", help="Group size of --kv-bits.")
+KV_START = typer.Option(5000, "--quantized-kv-start", help="With --kv-bits: tokens the cache holds before it turns "
+                                                             "quantized.")
+ADAPTER = typer.Option(None, "--adapter-path", help="An mlx-lm LoRA adapter folder (mlx_lm.lora's output) for the target.")
+STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
+REPETITION = typer.Option(None, "--repetition-penalty", help="Divide the logits of tokens seen in the last "
+                                                               "--repetition-context-size tokens by this (as mlx-lm).")
+REPETITION_CONTEXT = typer.Option(20, "--repetition-context-size", help="Tokens --repetition-penalty looks back on.")
+PRESENCE = typer.Option(None, "--presence-penalty", help="Subtract this from the logits of tokens seen in the last 20.")
+FREQUENCY = typer.Option(None, "--frequency-penalty", help="Subtract this times each token's count in the last 20.")
+LOGIT_BIAS = typer.Option(None, "--logit-bias", help="Add to tokens' logits: a JSON object of token ids to numbers.")
+SOURCE = typer.Option("auto", "--draft-source", help="Where drafts come from: auto (each cycle, the drafter or a copy "
+                                                      "of text the context already holds), drafter, or copy only.")
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def before_decoding(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
+    """Once the drafter is loaded: the flags that depend on it, then a warning if this machine's BLAS is slow.
+
+    Every command that decodes gives that warning (Linux only). ``DFLASH_MLX_BLAS_WARNING=0``
+    silences it, for those who know (the test suite, which checks what else the commands print).
+    """
+    from ..system import blas_check
+
+    check_loaded(window, sinks, block_size, drafter)
+    verdict = blas_check()
+    if verdict is not None and verdict[0] != "ok" and os.environ.get("DFLASH_MLX_BLAS_WARNING") != "0":
+        warn(verdict[1])

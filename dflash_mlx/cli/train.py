@@ -1,0 +1,72 @@
+"""``dflash-mlx train``: a drafter trained for a target on this machine, with progress and a resumable checkpoint."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .. import distributed
+from ..errors import DFlashError
+from .app import err, user_errors
+from .checks import duration, integers
+from .output import looping_note, training_summary
+from .progress import training_progress
+
+if TYPE_CHECKING:
+    pass
+
+@user_errors
+def train(
+    target: str = typer.Argument(..., help="Target to train a drafter for: repo id or folder."),
+    out: str = typer.Option(..., "--out", "-o", help="Folder for the drafter (z-lab layout) and its checkpoint."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL of prompts \\[default: built-in chat, code "
+                                                                  "and math prompts]."),
+    prompt_count: int = typer.Option(600, "--prompt-count", help="Built-in prompts to use (without --prompts)."),
+    reply_tokens: int = typer.Option(128, "--reply-tokens", help="Longest reply the target writes per prompt."),
+    layers: int = typer.Option(1, "--layers", help="Draft layers."),
+    block_size: int = typer.Option(16, "--block-size", help="Block size to train for."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps \\[default: 200]."),
+    time_budget: Optional[str] = typer.Option(None, "--time", help="Training time instead of steps, e.g. 15m."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, cosine, 4% warmup)."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
+) -> None:
+    """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
+    if not distributed.is_main():  # it writes files and shards nothing: under mlx.launch rank 0 runs it alone
+        return
+    from ..training.train import train as run
+
+    if steps is not None and time_budget is not None:
+        raise DFlashError("pass --steps or --time, not both")
+    ids = integers(target_layer_ids, "--target-layer-ids") if target_layer_ids else None
+    budget = duration(time_budget) if time_budget else None
+    with training_progress(err, budget) as show:
+        try:
+            result = run(target, out, prompts=prompts, prompt_count=prompt_count, response_tokens=reply_tokens,
+                         layers=layers, block_size=block_size, target_layer_ids=ids,
+                         steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
+        except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
+            _training_interrupted(out)
+    Console(highlight=False).print(training_summary(result, block_size), soft_wrap=True)
+    if note := looping_note(result):
+        err.print(note, soft_wrap=True)
+
+
+def _training_interrupted(out: str) -> NoReturn:
+    """Say what Ctrl-C left (the checkpoint to --resume from, or nothing) and exit 130."""
+    from pathlib import Path
+
+    from ..training.train import CHECKPOINT, saved_step
+
+    step = saved_step(out)
+    if step is None:
+        err.print("\n[yellow]interrupted[/] before the first training step; nothing was saved", soft_wrap=True)
+    else:
+        where = escape(str(Path(out).expanduser() / CHECKPOINT))
+        err.print(f"\n[yellow]interrupted:[/] checkpoint of step {step} saved in {where}; "
+                  "run the same command with --resume to continue", soft_wrap=True)
+    raise typer.Exit(130)
