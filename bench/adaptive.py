@@ -47,7 +47,7 @@ def measure(target, drafter, tokenizer, prompts: list[list[int]], blocks: list[i
                     tokens, tps, _ = plain(target.model, ids, max_tokens, tokenizer=tokenizer if path == "plain" else None)
                 else:
                     block = None if path == "adaptive" else int(path.split()[1])
-                    out = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block,
+                    out = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block,
                                               eos_token_ids=[])
                     tokens, tps = out.tokens, out.generation_tps
                     if path == "adaptive":
@@ -114,7 +114,7 @@ def main() -> None:
         blocks = [int(b) for b in args.blocks.split(",") if b]
     warm = next(iter(sets.values()))[0]
     for block in blocks + [None]:  # warm-up; the adaptive policy also measures its first cycles here
-        dflash_mlx.decode.generate(target, drafter, tokenizer, warm, max_tokens=32, block_size=block, eos_token_ids=[])
+        dflash_mlx.generate(target, drafter, tokenizer, warm, max_tokens=32, block_size=block, eos_token_ids=[])
     plain(target.model, warm, 32, tokenizer=tokenizer)
     print(f"{args.max_tokens} tokens per prompt, greedy, {args.repeats} repeats in alternating order")
     for name, prompts in sets.items():

@@ -52,7 +52,7 @@ def child(pair: Path, source: str, prompts: list[str], max_tokens: int) -> None:
     target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
     tokens, seconds, copies = 0, 0.0, 0
     for text in prompts:
-        run = dflash_mlx.decode.generate(target, drafter, tokenizer, prompt_ids(tokenizer, user(text)), max_tokens=max_tokens,
+        run = dflash_mlx.generate(target, drafter, tokenizer, prompt_ids(tokenizer, user(text)), max_tokens=max_tokens,
                                   draft_source=source)
         decoded = len(run.tokens) - 1
         tokens, seconds = tokens + decoded, seconds + decoded / max(run.generation_tps, 1e-9)

@@ -154,9 +154,9 @@ def main() -> None:
     print(f"\nprefill of {len(long_ids)} tokens in chunks of 1024, peak memory: replay buffers kept {kept:.3f} GB, "
           f"not kept (the engine) {dropped:.3f} GB ({dropped / kept - 1:+.1%})")
 
-    dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=8, block_size=B, eos_token_ids=[])  # warm-up
+    dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=8, block_size=B, eos_token_ids=[])  # warm-up
     tokens, plain_tps, _ = plain(target.model, ids, args.max_tokens)
-    result = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens, block_size=B, eos_token_ids=[])
+    result = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens, block_size=B, eos_token_ids=[])
     print(f"\ndecode tok/s: plain {plain_tps:.1f}, dflash {result.generation_tps:.1f} "
           f"(ratio {result.generation_tps / plain_tps:.2f}, tau {result.tau:.2f}, random drafter); "
           f"tokens {'OK' if result.tokens == tokens else 'MISMATCH'}")

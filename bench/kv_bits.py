@@ -59,7 +59,7 @@ def main() -> None:
     def run_dflash(ids: list[int], kv: dict) -> dict:
         mx.clear_cache()
         cache = dflash_mlx.make_cache(target, drafter, kv=KVQuantization.of(**kv))
-        r = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=N, eos_token_ids=[], cache=cache, **kv)
+        r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, eos_token_ids=[], cache=cache, **kv)
         return {"prefill": r.prompt_tps, "decode": r.generation_tps, "peak": r.peak_memory * 1e9 / 2**30,
                 "cache": sum(c.nbytes for c in cache.target) / 2**30, "tokens": r.tokens}
 

@@ -55,7 +55,7 @@ def main() -> None:
 
     def run_dflash(ids: list[int], block: int | None) -> dict:
         mx.clear_cache()
-        r = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=block, eos_token_ids=[], window=W)
+        r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=block, eos_token_ids=[], window=W)
         return {"prefill": r.prompt_tps, "decode": r.generation_tps, "peak": r.peak_memory * 1e9 / 2**30,
                 "tau": r.tau, "tokens": r.tokens, "depths": r.depth_histogram}
 

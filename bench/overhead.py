@@ -80,7 +80,7 @@ def main() -> None:
     B, N = args.block_size, args.max_tokens
 
     def dflash():
-        return dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=B, eos_token_ids=[])
+        return dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=N, block_size=B, eos_token_ids=[])
 
     plain(target.model, ids, N)  # warm-up
     context = max(1, round(dflash().tau))

@@ -43,10 +43,10 @@ def main() -> None:
     target, drafter, tokenizer = dflash_mlx.load(args.draft, args.target)
     conversations = read_jsonl(args.prompts) if args.prompts else builtin("code")
     prompts = [tokenizer.encode(c.turns[0]) for c in conversations[: args.num_prompts]]
-    dflash_mlx.decode.generate(target, drafter, tokenizer, prompts[0], max_tokens=8, temperature=1.0)  # warm-up
+    dflash_mlx.generate(target, drafter, tokenizer, prompts[0], max_tokens=8, temperature=1.0)  # warm-up
 
     def run(ids: list[int], i: int, **options) -> dflash_mlx.GenerationResult:
-        return dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens, eos_token_ids=[],
+        return dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens, eos_token_ids=[],
                                    **options)
 
     print(f"\n{len(prompts)} prompts, {args.max_tokens} tokens each; medians over prompts")

@@ -218,7 +218,7 @@ def runtime_block(args: argparse.Namespace) -> None:
 
     def run(k: int, max_tokens: int) -> None:
         policy = Depth(k)
-        out = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, eos_token_ids=[],
+        out = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, eos_token_ids=[],
                                   policy=policy)
         seconds[k].extend(policy.seconds[2:])  # the first cycles warm up
         tokens[k] = out.tokens

@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
                     if path == "plain":
                         out, tps, _ = plain(target.model, ids, args.max_tokens)
                     else:
-                        res = dflash_mlx.decode.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens,
+                        res = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=args.max_tokens,
                                                   block_size=block, eos_token_ids=[])
                         out, tps = res.tokens, res.generation_tps
                         cycles, tokens = cycles + res.cycles, tokens + len(res.tokens)

@@ -37,7 +37,7 @@ def main() -> None:
     clear = mx.clear_cache
     times: dict[str, list[float]] = {"clear_cache": [], "keep": []}
     memory: dict[str, list[tuple[int, int]]] = {"clear_cache": [], "keep": []}
-    dflash_mlx.decode.generate(target, drafter, tokenizer, "warm up", max_tokens=args.max_tokens, cache=cache)
+    dflash_mlx.generate(target, drafter, tokenizer, "warm up", max_tokens=args.max_tokens, cache=cache)
     try:
         for start in range(0, 2 * args.requests, args.block):
             variant = ("clear_cache", "keep")[(start // args.block) % 2]
@@ -45,7 +45,7 @@ def main() -> None:
             for i in range(start, start + args.block):
                 prompt = f"Request number {i}: tell me something about the number {i * 7919 % 1000}."
                 tic = time.perf_counter()
-                dflash_mlx.decode.generate(target, drafter, tokenizer, prompt, max_tokens=args.max_tokens, cache=cache)
+                dflash_mlx.generate(target, drafter, tokenizer, prompt, max_tokens=args.max_tokens, cache=cache)
                 times[variant].append(time.perf_counter() - tic)
             memory[variant].append((mx.get_active_memory(), mx.get_cache_memory()))
     finally:

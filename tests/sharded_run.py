@@ -37,7 +37,7 @@ def main() -> None:
     ids = tokenizer.encode(prompt)
     results = []
     for case in CASES:
-        r = dflash_mlx.decode.generate(tgt, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, eos_token_ids=[], **case)
+        r = dflash_mlx.generate(tgt, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, eos_token_ids=[], **case)
         results.append({"case": case, "tokens": r.tokens, "acceptance": r.acceptance, "drafted": r.drafted})
     size = 1 if tgt.group is None else tgt.group.size()
     Path(out, f"rank{distributed.rank()}.json").write_text(json.dumps({"size": size, "results": results}))
