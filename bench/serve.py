@@ -113,11 +113,12 @@ def main() -> None:
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
     if pair is None:
         sys.exit("no trained pair: run python bench/build_pair.py first (or pass --pair)")
-    chat = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())["chat"]
-    heldout = pair / "heldout.jsonl"  # a trained pair's; a random one (for batching figures) has none
-    held = [json.loads(line)["prompt"] for line in heldout.read_text().splitlines()] if heldout.exists() else chat
-    prompts = [p for pair_ in zip(held, chat) for p in pair_][: args.prompts]  # code and chat, alternating
-    print(f"{pair.name}: {len(prompts)} prompts (held-out code and built-in chat), {args.max_tokens} tokens, greedy")
+    sets = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
+    heldout = pair / "heldout.jsonl"  # the toy pair's held-out code; others take the built-in code prompts
+    held = ([json.loads(line)["prompt"] for line in heldout.read_text().splitlines()] if heldout.exists()
+            else sets["code"])
+    prompts = [p for pair_ in zip(held, sets["chat"]) for p in pair_][: args.prompts]  # code and chat, alternating
+    print(f"{pair.name}: {len(prompts)} prompts (code and built-in chat), {args.max_tokens} tokens, greedy")
     if args.tools:
         with_and_without_tools(pair, prompts, args.max_tokens)
         return
