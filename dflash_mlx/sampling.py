@@ -18,6 +18,7 @@ keys, which lets a seeded run keep the adaptive depth.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -42,8 +43,8 @@ class Sampling:
     verify: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan fails too
+            raise DFlashError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -95,6 +95,28 @@ def test_a_batch_of_no_rows_is_refused_before_loading(models_dir):
         _one_error_line(result, "--max-batch must be an integer of at least 1")
 
 
+def test_an_empty_api_key_is_refused_before_loading(models_dir):
+    """`--api-key "$KEY"` with KEY unset must not serve without a key (issue 49, item 3)."""
+    for empty in ("", "  "):
+        result = _run("serve", models_dir / "qwen3-dflash", "--target", models_dir / "qwen3", "--api-key", empty)
+        _one_error_line(result, "--api-key is empty")
+
+
+def test_nan_and_infinity_are_refused_before_loading(models_dir):
+    """Non-finite numbers end in one line, never a traceback or garbage sampled at exit 0 (issue 49, item 5)."""
+    pair = [models_dir / "qwen3-dflash", "--target", models_dir / "qwen3"]
+    for value in ("nan", "inf", "1e400"):
+        _one_error_line(_run("generate", *pair, "-p", "hi", "--temp", value), "temperature must be a finite number")
+        for flag in ("--prompt-cache-bytes", "--prompt-cache-disk-bytes"):
+            _one_error_line(_run("serve", *pair, flag, value), f"{flag} must be a finite size above 0")
+    for flag in ("--presence-penalty", "--frequency-penalty"):
+        _one_error_line(_run("generate", *pair, "-p", "hi", flag, "nan"), f"{flag} must be a finite number")
+    _one_error_line(_run("generate", *pair, "-p", "hi", "--repetition-penalty", "inf"), "--repetition-penalty")
+    _one_error_line(_run("generate", *pair, "-p", "hi", "--logit-bias", '{"1": NaN}'), "must be finite numbers")
+    _one_error_line(_run("train", models_dir / "qwen3", "-o", models_dir / "unused", "--time", "inf"),
+                    "--time must be a finite duration")
+
+
 def test_target_that_is_a_drafter(models_dir):
     result = _run("generate", models_dir / "qwen3-dflash", "--target", models_dir / "llama-dflash", "-p", "hi")
     _one_error_line(result, "holds a DFlash drafter, not a target model")

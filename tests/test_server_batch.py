@@ -114,6 +114,19 @@ def test_one_at_a_time_keeps_the_queue_in_order(models_dir, pairs):
         finish(proc, 30)
 
 
+def test_a_batch_that_cannot_be_says_so_at_start_up(models_dir):
+    """--max-batch with --window serves one request at a time: said once, not silently (issue 49, 7). (--kv-bits
+    says so the same way; no group size fits this fixture's heads of 16.)"""
+    for flags, why in ((["--window", "64"], "--window"),):
+        proc, url = start_server(models_dir / "qwen3-dflash", models_dir / "qwen3", "--max-batch", "4", *flags)
+        try:
+            assert httpx.get(f"{url}/health").json()["batch"] == {"max": 1}
+        finally:
+            proc.send_signal(2)
+            _, err = finish(proc, 30)
+        assert f"--max-batch 4: requests run one at a time: {why} keeps rows from sharing a pass" in err, err
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """A served Qwen3.5-layout target (GatedDeltaNet and full attention) whose replies repeat (copies pay), and its

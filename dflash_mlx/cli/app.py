@@ -100,7 +100,7 @@ TEMPLATE = typer.Option(
 TEMPLATE_ARGS = typer.Option(
     None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON: '{\"enable_thinking\": false}'."
 )
-KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits (4 or 8, as mlx-lm) "
+KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits (2-6 or 8, as mlx-lm) "
                                                  "once it holds --quantized-kv-start tokens \\[default: off].")
 KV_GROUP = typer.Option(64, "--kv-group-size", help="Group size of --kv-bits.")
 KV_START = typer.Option(5000, "--quantized-kv-start", help="With --kv-bits: tokens the cache holds before it turns "

@@ -6,6 +6,7 @@ costs a second, not the minutes of a download and a load.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -37,7 +38,10 @@ def processing(repetition_penalty: Optional[float], repetition_context_size: int
     """mlx-lm's logits processors' settings from the flags (``make_logits_processors``' arguments), checked."""
     import json
 
-    if repetition_penalty is not None and repetition_penalty <= 0:
+    for flag, value in (("--presence-penalty", presence_penalty), ("--frequency-penalty", frequency_penalty)):
+        if value is not None and not math.isfinite(value):
+            raise DFlashError(f"{flag} must be a finite number, got {value}")
+    if repetition_penalty is not None and not 0 < repetition_penalty < math.inf:
         raise DFlashError(f"--repetition-penalty must be above 0 (1 leaves the logits alone), got {repetition_penalty}")
     if repetition_context_size < 1:
         raise DFlashError(f"--repetition-context-size must be >= 1, got {repetition_context_size}")
@@ -50,6 +54,8 @@ def processing(repetition_penalty: Optional[float], repetition_context_size: int
         except (ValueError, TypeError, AttributeError):
             raise DFlashError(f"--logit-bias takes a JSON object of token ids to numbers, like '{{\"42\": -5}}', "
                               f"got {logit_bias!r}") from None
+        if not all(math.isfinite(v) for v in settings["logit_bias"].values()):
+            raise DFlashError(f"--logit-bias values must be finite numbers, got {logit_bias!r}")
     return {k: v for k, v in settings.items() if v is not None}
 
 
@@ -115,8 +121,8 @@ def size(text: str, flag: str) -> int:
         amount = float(number) * units[value[len(number):]]
     except (ValueError, KeyError):
         raise DFlashError(f"{flag} takes a size like 8GB, 512MiB or a number of bytes, got {text!r}") from None
-    if amount <= 0:
-        raise DFlashError(f"{flag} must be above 0, got {text!r}")
+    if not 0 < amount < math.inf:  # nan and 1e400 fail too
+        raise DFlashError(f"{flag} must be a finite size above 0, got {text!r}")
     return int(amount)
 
 
@@ -124,11 +130,12 @@ def duration(text: str) -> float:
     """'90', '90s', '15m' or '1.5h' in seconds."""
     units = {"s": 1, "m": 60, "h": 3600}
     try:
-        if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
     except ValueError:
         raise DFlashError(f"--time takes a duration like 90s, 15m or 1.5h, got {text!r}") from None
+    if not math.isfinite(seconds):
+        raise DFlashError(f"--time must be a finite duration, got {text!r}")
+    return seconds
 
 
 def cache_folder(path: str) -> Path:
@@ -158,11 +165,16 @@ def check_http_stack() -> None:
                           ) from None
 
 
-def check_serving(port: int, keepalive: float, log_level: str, max_batch: Optional[int]) -> None:
-    """serve's listening and batching flags."""
+def check_serving(port: int, keepalive: float, log_level: str, max_batch: Optional[int],
+                  api_key: Optional[str] = None) -> None:
+    """serve's listening, access and batching flags."""
     from ..decode.batch import check_max_batch
 
     check_max_batch(max_batch)
+    if api_key is not None and not api_key.strip():
+        # What `--api-key "$KEY"` gives with KEY unset: serving without a key would be a silent surprise.
+        raise DFlashError("--api-key is empty (an unset variable?): give the key, or leave the flag out to serve "
+                          "without one")
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be between 1 and 65535, got {port}")
     if not 0 < keepalive <= 3600:

@@ -22,6 +22,7 @@ from .app import (
     before_decoding,
     err,
     user_errors,
+    warn,
 )
 from .checks import check_http_stack, check_options, check_serving, kv_settings, origins, prompt_caches, template_args
 from .output import serving_line
@@ -79,7 +80,7 @@ def serve(
 
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
                   top_p=top_p, top_k=top_k, min_p=min_p)
-    check_serving(port, keepalive, log_level, max_batch)
+    check_serving(port, keepalive, log_level, max_batch, api_key)
     kv = KVQuantization.of(**kv_settings(kv_bits, kv_group_size, quantized_kv_start))
     caches = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
     model, engine = _engine(model, target, chat_template, adapter_path, caches, window, sinks, block_size,
@@ -108,7 +109,13 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
     before_decoding(window, sinks, block_size, drafter)
     if caches["cache_bytes"] is None and tgt.group is None:
         caches["cache_bytes"] = machine_description()["memory_bytes"] // 4
-    if options["max_batch"] is None:
+    asked = options["max_batch"]
+    if asked is None:
         options["max_batch"] = default_max_batch(tgt, machine_description()["memory_bytes"])
-    return model, Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                         **options, **caches)
+    engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
+                    **options, **caches)
+    if asked is not None and asked > 1 and engine.max_batch == 1:
+        why = ("--window" if window is not None else "--kv-bits" if options.get("kv") is not None
+               else "a target sharded over machines")
+        warn(f"--max-batch {asked}: requests run one at a time: {why} keeps rows from sharing a pass")
+    return model, engine
