@@ -142,3 +142,35 @@ def test_empty_prompt(pairs):
     target, drafter, tokenizer = pairs["qwen3"]
     with pytest.raises(DFlashError, match="prompt is empty"):
         generate(target, drafter, tokenizer, [])
+
+
+def _one_line(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), result.output
+    return lines[0]
+
+
+def test_path_errors_say_what_was_given_not_a_drafter(tmp_path, models_dir, monkeypatch):
+    """Issue 49, a new user's item 7: a typo, a bundle to convert, a bundle without or with a broken manifest."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    line = _one_line("generate", "./bundel", "-p", "hi")
+    assert "./bundel: no such folder" in line and "drafter" not in line
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(models_dir / "qwen3-dflash", bundle / "draft")
+    shutil.copytree(models_dir / "qwen3", bundle / "target")
+    line = _one_line("generate", bundle, "-p", "hi")  # draft/ and target/ but no manifest
+    assert "no dflash.json" in line and "convert it again" in line
+    (bundle / "dflash.json").write_text("{not json")
+    assert "dflash.json is unreadable" in _one_line("generate", bundle, "-p", "hi")
+    with pytest.raises(DFlashError, match="dflash.json is unreadable"):
+        load(str(bundle))
+    (bundle / "dflash.json").write_text('["a list"]')
+    assert "is not a dflash-mlx manifest" in _one_line("generate", bundle, "-p", "hi")
+    (bundle / "dflash.json").write_text('{"format": 1}')
+    assert load(str(bundle))[1].block_size > 1  # a readable manifest: the bundle loads
+    line = _one_line("convert", bundle, "-o", tmp_path / "out")
+    assert "is already a bundle" in line and not (tmp_path / "out").exists()

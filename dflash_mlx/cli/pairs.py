@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,9 +54,15 @@ def thinking_mismatch(model: str, think: Optional[bool]) -> Optional[str]:
 
 def bundle_manifests() -> dict[Path, dict[str, Any]]:
     """The converted bundles this machine knows, each with its manifest (what it was converted from, and how)."""
-    from ..models.registry import known_bundles
+    from ..models.registry import known_bundles, read_manifest
 
-    return {bundle: json.loads((bundle / "dflash.json").read_text()) for bundle in known_bundles()}
+    manifests = {}
+    for bundle in known_bundles():
+        try:
+            manifests[bundle] = read_manifest(bundle)
+        except DFlashError:
+            continue  # listed elsewhere as it is; loading it says what is wrong
+    return manifests
 
 
 def pair_rows(manifests: dict[Path, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 from .. import __version__
 from ..errors import DFlashError
 from .loader import cast_floats, check_pair, check_target_folder, is_drafter, load_drafter, resolve
-from .registry import MANIFEST, remember_bundle
+from .registry import MANIFEST, check_bundle, is_bundle, remember_bundle
 from .registry import resolve as registry_resolve
 from .target import Target
 
@@ -129,6 +129,10 @@ def convert(
             raise DFlashError("--target is for a drafter; a GGUF file converts alone (train a drafter for it with "
                               "`dflash-mlx train`)")
         return convert_gguf(local, out_path, quantize, q_group_size, dtype, log)
+    check_bundle(local)
+    if is_bundle(local):
+        raise DFlashError(f"{source} is already a bundle: the commands take it as it is (to convert it again, give "
+                          "its draft/ with --target its target/)")
     draft, target, _ = registry_resolve(source, target)
     if target is None:
         local = Path(draft).expanduser()

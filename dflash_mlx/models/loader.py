@@ -17,7 +17,7 @@ from .. import distributed
 from ..errors import DFlashError, DownloadError
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from .drafter import Drafter, DrafterArgs, NoDrafter
-from .registry import is_bundle
+from .registry import check_bundle, is_bundle
 from .registry import resolve as registry_resolve
 from .target import Target, check_model_type
 
@@ -292,6 +292,7 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
     verify follows, so the output is the adapted target's own).
     """
     bundle = Path(draft).expanduser()
+    check_bundle(bundle)
     if is_bundle(bundle):
         draft, target = str(bundle / "draft"), target or str(bundle / "target")
     else:

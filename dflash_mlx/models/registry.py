@@ -64,6 +64,31 @@ def is_bundle(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def read_manifest(path: Path) -> dict:
+    """A bundle's manifest, refused when it is not one: a bundle is trusted to hold what its manifest says."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(f"bundle {path}: its {MANIFEST} is unreadable ({e}); convert it again with --force") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != 1:
+        raise DFlashError(f"bundle {path}: {MANIFEST} is not a dflash-mlx manifest; convert it again with --force")
+    return manifest
+
+
+def looks_like_a_bundle(path: Path) -> bool:
+    """draft/ and target/ without the manifest: a bundle whose convert did not finish, or a copy that lost it."""
+    return not is_bundle(path) and (path / "draft").is_dir() and (path / "target").is_dir()
+
+
+def check_bundle(path: Path) -> None:
+    """A folder that is or looks like a bundle: refused unless its manifest is readable."""
+    if looks_like_a_bundle(path):
+        raise DFlashError(f"{path} holds draft/ and target/ but no {MANIFEST}: not a finished bundle (convert it "
+                          "again with --force)")
+    if is_bundle(path):
+        read_manifest(path)
+
+
 def _bundle_list() -> Path:
     return Path.home() / ".cache" / "dflash-mlx" / "bundles.json"
 
@@ -109,7 +134,7 @@ def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str
     if path.exists():
         raise DFlashError(f"{model} is a file; expected a model folder, a bundle or a registry name")
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
-        raise DFlashError(f"drafter {model}: no such folder")
+        raise DFlashError(f"{model}: no such folder")
     pair = find(model)
     if pair is None:
         if target is not None:
