@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app
 from dflash_mlx.decode.chat import HELP as CHAT_HELP
-from dflash_mlx.decode.chat import ChatSession
+from dflash_mlx.decode.chat import ChatSession, stats_line
+from dflash_mlx.errors import DFlashError
 
 CLI = Path(sys.executable).parent / "dflash-mlx"  # the console script of this venv (there is no __main__)
 # A dumb, colourless terminal: output without escape codes. (Rich takes a dumb terminal to be 80
@@ -473,3 +474,20 @@ def test_the_next_prompt_keeps_the_end_of_turn_whatever_the_reply(tmp_path, repl
     expected = render(tokenizer, session.messages[:3])
     assert session.ids[: len(expected)] == expected
     assert session.last.prompt_cached == held  # and the caches carried over
+
+
+def test_a_full_conversation_points_to_reset(pairs):
+    """The reply that fills the model's positions says so, and the next message is refused with the way out
+    (issue 49, a new user's item 5); after /reset the chat answers again."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    limit = target.max_positions
+    session = ChatSession(target, drafter, tokenizer, options=dict(max_tokens=limit))
+    per_word = len(tokenizer.encode(" word" * 100, add_special_tokens=False)) / 100
+    session.reply("word" + " word" * int((limit - 80) / per_word))  # leaves a few dozen positions to reply in
+    assert session.last.finish_reason == "length" and len(session.ids) == limit
+    assert stats_line(session).endswith(f"the conversation fills the model's {limit} positions: /reset to start over")
+    with pytest.raises(DFlashError, match="/reset starts a new one"):
+        session.reply("and then?")
+    assert session.messages[-1]["role"] == "assistant"  # the refused message is not kept
+    session.reset()
+    assert session.reply("hello").finish_reason is not None

@@ -106,6 +106,11 @@ class ChatSession:
                 on_response(response)
 
         prompt = self._prompt()
+        limit = self.target.max_positions
+        if limit is not None and len(prompt) >= limit:
+            self.messages.pop()
+            raise DFlashError(f"the conversation, with this message, holds {len(prompt)} tokens and the model "
+                              f"{limit} positions: /reset starts a new one (/save keeps this one first)")
         try:
             self.last = generate(
                 self.target, self.drafter, self.tokenizer, prompt, on_response=collect,
@@ -279,8 +284,11 @@ def stats_line(session: ChatSession) -> str:
     assert r is not None
     context = f"{session.context_tokens}" + (f" (window {session.window})" if session.window else "")
     stopped = f"interrupted after {len(r.tokens)} tok | " if r.finish_reason == INTERRUPTED else ""
+    limit = session.target.max_positions
+    full = (f" | the conversation fills the model's {limit} positions: /reset to start over"
+            if r.finish_reason == "length" and limit is not None and len(session.ids or ()) >= limit else "")
     return (f"{stopped}{r.generation_tps:.1f} tok/s | tau {r.tau:.2f} | accepted {100 * r.acceptance_rate:.0f}% | "
-            f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok")
+            f"context {context} tok | prefilled {r.prompt_tokens - r.prompt_cached} tok{full}")
 
 
 def totals_line(session: ChatSession) -> str:
