@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from dflash_mlx import generate, load
 from dflash_mlx.chat_template import render, user
 from dflash_mlx.cli.main import app
-from dflash_mlx.system import blas_check
+from dflash_mlx.system import blas_check, find_openblas
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "dflash-mlx"
@@ -112,16 +112,23 @@ def test_ctrl_c_during_generate_json_keeps_what_was_generated(models_dir, sent, 
 
 
 @pytest.mark.skipif(blas_check() is None or blas_check()[0] != "reference", reason="needs MLX on the reference BLAS")
-def test_every_decoding_command_says_when_the_blas_is_the_reference_one(models_dir):
+def test_every_decoding_command_runs_on_openblas_or_says_it_cannot(models_dir):
+    """Where OpenBLAS is installed the command restarts on it (issue 49, a new user's item 4); where it is not,
+    every decoding command warns. DFLASH_MLX_BLAS_WARNING=0 leaves the BLAS alone and says nothing."""
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_MLX_BLAS_WARNING"}
     args = [str(models_dir / "qwen3-dflash"), "--target", str(models_dir / "qwen3")]
     for command in (["generate", *args, "-p", "hi", "-m", "4"], ["chat", *args, "-m", "4"]):
         run = subprocess.run([str(CLI), *command], input="hi\n", capture_output=True, text=True, timeout=120,
                              env={**env, "COLUMNS": "400"})
-        assert run.returncode == 0 and "warning: MLX runs on the reference BLAS" in run.stderr, run.stderr
+        assert run.returncode == 0, run.stderr
+        warned = "warning: MLX runs on the reference BLAS" in run.stderr
+        assert warned == (find_openblas() is None), run.stderr
+    doctor = subprocess.run([str(CLI), "doctor"], capture_output=True, text=True, timeout=120, env={**env, "COLUMNS": "400"})
+    blas = next(line for line in doctor.stdout.splitlines() if line.startswith("BLAS"))
+    assert ("reference BLAS" in blas) == (find_openblas() is None) and ("openblas" in blas) == (find_openblas() is not None)
     quiet = subprocess.run([str(CLI), "generate", *args, "-p", "hi", "-m", "4"], capture_output=True, text=True,
                            timeout=120, env={**env, "DFLASH_MLX_BLAS_WARNING": "0"})
-    assert "reference BLAS" not in quiet.stderr
+    assert quiet.returncode == 0 and "reference BLAS" not in quiet.stderr
 
 
 def test_offline_the_default_pair_says_how_to_build_a_local_one():

@@ -10,6 +10,7 @@ import functools
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import typer
@@ -66,7 +67,17 @@ def _version(value: bool) -> None:
 def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
-    """Under ``mlx.launch`` every rank runs the command; only rank 0 speaks (errors aside)."""
+    """Under ``mlx.launch`` every rank runs the command; only rank 0 speaks (errors aside).
+
+    Run as the ``dflash-mlx`` command on Linux, it first restarts itself on OpenBLAS where MLX would
+    multiply with the reference BLAS and OpenBLAS is installed (as the bench scripts do): the README's
+    commands run at full speed without an LD_PRELOAD to remember. ``DFLASH_MLX_BLAS_WARNING=0`` leaves
+    the BLAS as loaded (and silences the warning), which the test suite relies on.
+    """
+    if Path(sys.argv[0]).name == "dflash-mlx" and os.environ.get("DFLASH_MLX_BLAS_WARNING") != "0":
+        from ..system import reexec_with_openblas
+
+        reexec_with_openblas()
     try:
         quiet = not distributed.is_main()
     except DFlashError as e:
