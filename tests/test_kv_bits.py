@@ -145,3 +145,38 @@ def test_chat_keeps_a_quantized_cache_across_turns(kv_dir):
                                       "-m", "20"], input="hello\nand more\n")
     assert result.exit_code == 0, result.output
     assert "error" not in result.output.lower() and result.output.count("prefilled") == 2
+
+
+def test_a_quantized_entry_read_back_from_disk_serves_a_shared_prefix(kv_pairs, tmp_path):
+    """Issue 49, item 6: a quantized cache goes back to any point of its history in memory, so after a restart too
+    (one definition of rewindable): a prompt that shares only a prefix with the stored one reuses that prefix."""
+    from dflash_mlx import make_cache
+    from dflash_mlx.decode.cache_files import fingerprint
+    from dflash_mlx.server.prompt_cache import PromptCache
+
+    target, drafter, tokenizer = kv_pairs["drafter"]
+    kv = KVQuantization(4, 64, 0)
+    settings = dict(kv_bits=4, kv_group_size=64, quantized_kv_start=0, max_tokens=6, eos_token_ids=[])
+    first = tokenizer.encode(PROMPT * 6)
+    second, third = (first[:60] + tokenizer.encode(ending) for ending in (" a different ending", " and another"))
+
+    def ask(store, ids):
+        store.prepare(ids)
+        out = generate(target, drafter, tokenizer, ids, cache=store.cache,
+                       prompt_progress_callback=lambda done, total: done == total and store.prompt_done(), **settings)
+        store.keep()
+        return out
+
+    def store():
+        return PromptCache(make_cache(target, drafter, kv=kv), directory=tmp_path,
+                           fingerprint=fingerprint(target, drafter, None, 0, drafter.block_size, kv))
+
+    before = store()
+    ask(before, first)
+    before.flush()
+    assert before.cache.rewindable and ask(before, third).prompt_cached == 60  # in memory
+    before.close()
+    after = store()
+    assert after.entries and all(e.rewindable for e in after.entries)
+    assert ask(after, second).prompt_cached == 60
+    after.close()

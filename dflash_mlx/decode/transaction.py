@@ -21,6 +21,7 @@ from ..models.caches import (
     check_window,
     layer_state,
     rewindable,
+    rewindable_kinds,
     set_layer_state,
     trim_to,
 )
@@ -50,7 +51,7 @@ class CacheState:
     @property
     def rewindable(self) -> bool:
         """Whether the caches can go back to any point of the history (every layer full attention)."""
-        return all(kind in ("full", "quantized") for kind, _, _ in self.target + self.drafter)
+        return rewindable_kinds(kind for kind, _, _ in self.target + self.drafter)
 
 
 @dataclass(eq=False)

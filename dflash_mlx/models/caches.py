@@ -16,7 +16,7 @@ holds which position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
@@ -390,6 +390,16 @@ def set_layer_state(c: Any, state: LayerState) -> Any:
     return c
 
 
+REWINDABLE = ("full", "quantized")  # layer kinds that go back to any point of their history (``layer_state``'s)
+
+
+def rewindable_kinds(kinds: Iterable[str]) -> bool:
+    """Whether layers of these kinds can all go back to any point of their history: the one definition, for
+    caches in memory, their snapshots and their files."""
+    return all(kind in REWINDABLE for kind in kinds)
+
+
 def rewindable(layers: list[Any]) -> bool:
-    """Whether these layer caches can go back to any point of their history (full attention only)."""
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in layers)
+    """Whether these layer caches can go back to any point of their history (full attention, quantized or not)."""
+    return rewindable_kinds("full" if type(c) is KVCache else "quantized" if type(c) is QuantizedKVCache else "other"
+                            for c in layers)

@@ -41,6 +41,7 @@ import numpy as np
 from ..decode.cache_files import FORMAT, TEMPORARY, is_temporary, read_header, read_state, write_state
 from ..decode.transaction import CacheState, DFlashCache
 from ..errors import DFlashError
+from ..models.caches import rewindable_kinds
 
 log = logging.getLogger("dflash_mlx.serve")
 
@@ -103,7 +104,7 @@ class PromptCache:
             except (OSError, ValueError) as e:
                 log.warning("prompt cache: ignoring %s: %s", path, e)
                 continue
-            rewindable = all(kind == "full" for kind, _, _ in header["layout"]["target"] + header["layout"]["drafter"])
+            rewindable = rewindable_kinds(kind for kind, _, _ in header["layout"]["target"] + header["layout"]["drafter"])
             self.entries.append(Entry(tokens, None, rewindable, self._tick(), path, stat.st_size))
         self._writes = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="dflash-mlx prompt cache", daemon=True)
