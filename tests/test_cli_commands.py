@@ -117,6 +117,18 @@ def test_nan_and_infinity_are_refused_before_loading(models_dir):
                     "--time must be a finite duration")
 
 
+def test_usage_errors_are_one_line(models_dir):
+    """A mistyped number, an unknown flag or command, a missing argument: one error line naming the help, exit 2
+    (issue 49, a new user's item 10), not a usage block and a boxed panel."""
+    cases = [(["generate", "x", "--max-tokens", "abc"], "Invalid value for '--max-tokens'"),
+             (["generate", "x", "--bogus"], "No such option: --bogus"), (["convert"], "Missing argument"),
+             (["nosuch"], "No such command 'nosuch'")]
+    for args, fragment in cases:
+        _one_error_line(_run(*args), fragment, "--help)")
+    bare = _run()
+    assert bare.exit_code == 2 and "COMMAND [ARGS]" in bare.output  # a bare command still shows its help
+
+
 def test_target_that_is_a_drafter(models_dir):
     result = _run("generate", models_dir / "qwen3-dflash", "--target", models_dir / "llama-dflash", "-p", "hi")
     _one_error_line(result, "holds a DFlash drafter, not a target model")
@@ -224,7 +236,7 @@ def test_models_marks_downloaded_and_converted(tmp_path, monkeypatch, models_dir
     monkeypatch.chdir(tmp_path)
     bundle = tmp_path / "q8"
     bundle.mkdir()
-    (bundle / "dflash.json").write_text(json.dumps({"drafter": "z-lab/Qwen3-8B-DFlash-b16"}))
+    (bundle / "dflash.json").write_text(json.dumps({"format": 1, "drafter": "z-lab/Qwen3-8B-DFlash-b16"}))
     rows = {r["drafter"]: r for r in json.loads(_run("models", "--json").stdout)}
     assert len(rows) == len(registry.pairs())
     assert rows["z-lab/Qwen3-4B-DFlash-b16"]["downloaded"]

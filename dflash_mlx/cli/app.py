@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from .. import __version__, distributed
 from ..errors import DFlashError
@@ -24,13 +25,45 @@ from .checks import check_loaded
 if TYPE_CHECKING:
     pass
 
+err = Console(stderr=True, highlight=False)
+
+
+# Click's exceptions as the Typer in use raises them (recent Typers carry a click of their own).
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_NoArgsIsHelp = getattr(sys.modules[_UsageError.__module__], "NoArgsIsHelpError", ())
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Click's usage errors (a mistyped number, an unknown flag, a missing argument) as one ``error:`` line and exit
+    status 2, as every other bad input is, rather than a usage block and a boxed panel."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _NoArgsIsHelp as e:  # a bare command: Typer has shown its help
+            sys.exit(e.exit_code)
+        except _UsageError as e:
+            where = f" (see {e.ctx.command_path} --help)" if e.ctx else ""
+            err.print(f"[bold red]error:[/] {escape(e.format_message())}{escape(where)}", soft_wrap=True)
+            sys.exit(2)
+        except _ClickException as e:
+            err.print(f"[bold red]error:[/] {escape(e.format_message())}", soft_wrap=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="DFlash block-diffusion speculative decoding on Apple Silicon, in pure MLX.",
 )
-err = Console(stderr=True, highlight=False)
 
 
 def fail(message: str) -> None:
