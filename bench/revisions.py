@@ -10,7 +10,7 @@ which cancels drift between runs.
 Tokens must be identical across checkouts at temperature 0.
 
     git worktree add /tmp/before HEAD~3
-    python bench/revisions.py /tmp/before [--pair bench/.cache/pair-...] [--repeats 3]
+    python bench/revisions.py /tmp/before [--pair bench/.cache/pair-... | bench/.cache/smollm2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -66,9 +66,14 @@ def main() -> None:
     args = parser.parse_args()
     print_machine()
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
-    if pair is None or not (pair / "heldout.jsonl").is_file():
+    if pair is None:
         sys.exit("no trained pair: run python bench/build_pair.py first (or pass --pair)")
-    prompts = [json.loads(line)["prompt"] for line in (pair / "heldout.jsonl").read_text().splitlines()][: args.prompts]
+    if (pair / "heldout.jsonl").is_file():  # the toy pair's held-out code
+        prompts = [json.loads(line)["prompt"] for line in (pair / "heldout.jsonl").read_text().splitlines()]
+    else:  # the built-in math, code and chat prompts, in turn (as raw text: the same in both checkouts)
+        sets = json.loads((HERE / "dflash_mlx" / "data" / "prompts.json").read_text())
+        prompts = [p for row in zip(sets["math"], sets["code"], sets["chat"]) for p in row]
+    prompts = prompts[: args.prompts]
     trees = {"before": args.before.resolve(), "after": HERE}
     results: dict[str, list[dict]] = {"before": [], "after": []}
     for i in range(args.repeats):

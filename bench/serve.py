@@ -65,6 +65,8 @@ def request(url: str, prompt: str, max_tokens: int, tools: bool = None) -> dict:
         body |= {"tools": TOOLS} if tools else {}
     tic, first, last, text, usage = time.perf_counter(), None, None, [], None
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{path} answered {r.status_code}: {r.read().decode()[:200]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -78,6 +80,8 @@ def request(url: str, prompt: str, max_tokens: int, tools: bool = None) -> dict:
                 first = first or last
                 text.append(piece)
     tokens = usage["completion_tokens"] if usage else len(text)  # (a server that reports no usage: pieces)
+    if first is None:  # no text at all (an immediate end of reply): the first token is the end
+        first = last = time.perf_counter()
     return {"ttft": first - tic, "tps": (tokens - 1) / (last - first) if last > first else 0.0, "text": "".join(text),
             "tokens": tokens}
 

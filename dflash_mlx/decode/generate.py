@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 
 from ..chat_template import Prompt, encode_prompt
 from ..distributed import shared_seed
@@ -198,7 +199,7 @@ def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **se
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
     row = Row(target, drafter, cache, lease, sampling, policy, o.logprobs, eos, max_tokens, o.logits_processors or ())
-    responder = _Responder(tokenizer.detokenizer, stop_list(o.stop), len(ids), reused)
+    responder = _Responder(streaming_detokenizer(tokenizer), stop_list(o.stop), len(ids), reused)
     return Request(row, ids, reused, prefill_step_size, responder)
 
 
@@ -255,6 +256,34 @@ def _default_policy(
     if pinned or reproducible:
         return FixedBlock(block_size)
     return adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto", drafts=not alone)
+
+
+class _SpacesStreamed(BPEStreamingDetokenizer):
+    """mlx-lm's byte-level BPE detokenizer, except that spaces are text as soon as they are decided.
+
+    mlx-lm's holds a single-space token until the next token, to drop the reply's leading space;
+    but it keeps holding while the next is a single space too, so a run of them (a reply that
+    loops on spaces) streamed nothing until a word came. Only the reply's first space can be
+    dropped, so held spaces are text once the reply has text, or once two are held (the first
+    dropped): the same text in the end, shown as it is decoded.
+    """
+
+    def add_token(self, token: int) -> None:
+        super().add_token(token)
+        held = self._decode_bytes(self._unflushed)
+        if held and not held.strip(" ") and (self.text or len(held) > 1):
+            self.text += self._maybe_trim_space(held)
+            self._unflushed = ""
+
+
+def streaming_detokenizer(tokenizer: Any) -> Any:
+    """A fresh streaming detokenizer for one reply: the tokenizer's own, spaces streamed where it is mlx-lm's BPE one."""
+    detokenizer = tokenizer.detokenizer
+    if type(detokenizer) is BPEStreamingDetokenizer:
+        streamed = _SpacesStreamed.__new__(_SpacesStreamed)
+        streamed.__dict__.update(vars(detokenizer))  # its token map and fresh state, under the subclass
+        return streamed
+    return detokenizer
 
 
 class _Responder:

@@ -1,0 +1,113 @@
+"""Drafter training recipes at equal time, on the real pair's stored features (after `make pair`).
+
+Each recipe trains a fresh drafter for ``--minutes`` of step time on the features ``make pair``
+stored (bench/.cache/smollm2/draft: features.npy, data.json), with the training loop's own pieces
+(``training.objective``), and says every ``--eval-every`` seconds how many tokens a block of 16 would
+have had accepted, teacher-forced, on 8 blocks of each of the 24 last sequences, which it never trains
+on. No decoding: a recipe's learning speed, not its speedup.
+
+    python bench/train_recipes.py [--minutes 8] [--recipes base,small,small-lr3,small-lr3-g3]
+"""
+
+from __future__ import annotations
+
+from common import CACHE, print_machine  # re-execs with OpenBLAS first
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dflash_mlx.models.drafter import Blocks, Drafter, DrafterArgs  # noqa: E402
+from dflash_mlx.models.loader import load_target  # noqa: E402
+from dflash_mlx.models.target import Target  # noqa: E402
+from dflash_mlx.training import objective  # noqa: E402
+from dflash_mlx.training.data import training_sequences  # noqa: E402
+from dflash_mlx.training.drafter_init import draft_config, init_from_target, pick_mask_token  # noqa: E402
+from dflash_mlx.training.features import FeatureStore  # noqa: E402
+
+PAIR = CACHE / "smollm2"
+LAYERS = [14, 29]  # make pair's feature layers
+HELD_BACK = 24
+# name -> (sequences a step, blocks a sequence, peak learning rate, position-weight decay gamma, init from the target)
+RECIPES = {
+    "base": (8, 32, 1e-3, 7.0, True),  # make pair's recipe (the published gamma for blocks of 16)
+    "small": (2, 16, 1e-3, 7.0, True),
+    "small-lr3": (2, 16, 3e-3, 7.0, True),
+    "small-rand": (2, 16, 3e-3, 7.0, False),
+    "small-lr3-g3": (2, 16, 3e-3, 3.0, True),
+}
+
+
+def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, minutes: float, every: float) -> None:
+    batch, anchors, lr, gamma, from_target = RECIPES[name]
+    train = list(range(len(sequences) - HELD_BACK))
+    held = list(range(len(sequences) - HELD_BACK, len(sequences)))
+    mx.random.seed(0)
+    drafter = Drafter(DrafterArgs.from_dict(draft_config(target, 1, 16, LAYERS, pick_mask_token(tokenizer, target))))
+    if from_target:
+        init_from_target(drafter, target)
+    optimizer = optim.AdamW(learning_rate=lr)
+    weights = mx.exp(-mx.arange(15, dtype=mx.float32) / gamma)
+    head = objective.Head.of(target, [sequences[i] for i in train])
+    loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights, head))
+    check = objective.make_batch(target, [sequences[i] for i in held], [store[i] for i in held],
+                                 np.random.default_rng(123), 8, 16, drafter.mask_token_id)
+
+    def accepted() -> tuple[float, float]:
+        S, N, k = check.labels.shape
+        h = drafter(check.embeddings, check.features, Blocks(check.anchors, check.features.shape[1], k + 1))
+        right = np.array(mx.argmax(target.lm_head(h.reshape(S, N, k + 1, -1)[:, :, 1:].astype(target.dtype)), -1)
+                         == check.labels)
+        return float(np.cumprod(right, axis=-1).sum(-1).mean()), float(right[..., 0].mean())
+
+    spent, step, shown, losses = 0.0, 0, 0.0, []
+    while spent < minutes * 60:
+        tic = time.perf_counter()
+        rng = np.random.default_rng([0, step])
+        picks = rng.choice(train, size=batch, replace=False)
+        b = objective.make_batch(target, [sequences[i] for i in picks], [store[i] for i in picks], rng, anchors, 16,
+                                 drafter.mask_token_id)
+        b.negatives = head.sample(rng)
+        optimizer.learning_rate = objective.learning_rate(spent / (minutes * 60), lr)
+        loss, grads = loss_and_grad(b)
+        optimizer.update(drafter, optim.clip_grad_norm(grads, 1.0)[0])
+        mx.eval(drafter.parameters(), optimizer.state, loss)
+        losses.append(loss.item())
+        spent += time.perf_counter() - tic
+        step += 1
+        if spent - shown >= every or spent >= minutes * 60:
+            shown = spent
+            e, first = accepted()
+            print(f"{name:>13} {spent / 60:5.1f} min  step {step:5d}  loss {np.mean(losses[-20:]):.3f}  "
+                  f"E[accepted] {e:.3f}  first position right {100 * first:.0f}%", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=8.0, help="step time per recipe")
+    parser.add_argument("--recipes", default="base,small-lr3,small-rand,small-lr3-g3",
+                        help=f"comma-separated, of: {', '.join(RECIPES)}")
+    parser.add_argument("--eval-every", type=float, default=90.0, help="seconds of step time between measurements")
+    args = parser.parse_args()
+    names = args.recipes.split(",")
+    if unknown := [n for n in names if n not in RECIPES]:
+        parser.error(f"unknown recipe {', '.join(unknown)}")
+    if not (PAIR / "draft" / "features.npy").is_file():
+        parser.error("no stored features: run `make pair` first")
+    print_machine()
+    model, tokenizer = load_target(PAIR / "target")
+    target = Target(model, LAYERS)
+    sequences = training_sequences(json.loads((PAIR / "draft" / "data.json").read_text()), 16)
+    lengths = [len(p) + len(r) for p, r in sequences]
+    store = FeatureStore(np.load(PAIR / "draft" / "features.npy", mmap_mode="r"), lengths)
+    for name in names:
+        run(name, target, tokenizer, sequences, store, args.minutes, args.eval_every)
+
+
+if __name__ == "__main__":
+    main()
