@@ -253,9 +253,20 @@ def _parameter_count(folder: Path) -> int:
 
 def summary(bundle: Path) -> str:
     """One line: the bundle's size on disk and the target's bits per weight (a model folder: its size)."""
-    size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    size = _size(sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()))
     if not (bundle / MANIFEST).is_file():
-        return f"{bundle}: an mlx-lm model, {size / 1e9:.2f} GB on disk"
+        return f"{bundle}: an mlx-lm model, {size} on disk"
     params = json.loads((bundle / MANIFEST).read_text()).get("target_parameters")
-    bits = f", target at {8 * _weights_bytes(bundle / 'target') / params:.2f} bits per weight" if params else ""
-    return f"{bundle}: {size / 1e9:.2f} GB on disk{bits}"
+    # Scales and biases count (a 4-bit layer at group 64 is 4.5 bits), and so do the tensors left in float
+    # (norms; in a small model also layers whose width does not divide into groups).
+    bits = (f", target at {8 * _weights_bytes(bundle / 'target') / params:.2f} bits per weight (scales and "
+            "unquantized tensors included)" if params else "")
+    return f"{bundle}: {size} on disk{bits}"
+
+
+def _size(n: int) -> str:
+    """Bytes as people read them: 1.23 GB, 45.6 MB, 789 KB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{max(1, round(n / 1e3))} KB"
