@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -21,9 +21,6 @@ from typer.core import TyperGroup
 from .. import __version__, distributed
 from ..errors import DFlashError
 from .checks import check_loaded
-
-if TYPE_CHECKING:
-    pass
 
 err = Console(stderr=True, highlight=False)
 
@@ -54,7 +51,7 @@ class _OneLineUsageErrors(TyperGroup):
             sys.exit(e.exit_code)
         except typer.Abort:
             sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
+        sys.exit(code if type(code) is int else 0)  # a command's own return value is not a status
 
 
 app = typer.Typer(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import typer
 
@@ -28,8 +28,6 @@ from .checks import check_http_stack, check_options, check_serving, kv_settings,
 from .output import serving_line
 from .pairs import load_model
 
-if TYPE_CHECKING:
-    pass
 
 @user_errors
 def serve(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn, Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -15,8 +15,6 @@ from .checks import duration, integers
 from .output import looping_note, training_summary
 from .progress import training_progress
 
-if TYPE_CHECKING:
-    pass
 
 @user_errors
 def train(
