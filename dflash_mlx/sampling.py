@@ -44,7 +44,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # nan fails too
-            raise DFlashError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise DFlashError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

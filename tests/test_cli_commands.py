@@ -107,7 +107,7 @@ def test_nan_and_infinity_are_refused_before_loading(models_dir):
     """Non-finite numbers end in one line, never a traceback or garbage sampled at exit 0 (issue 49, item 5)."""
     pair = [models_dir / "qwen3-dflash", "--target", models_dir / "qwen3"]
     for value in ("nan", "inf", "1e400"):
-        _one_error_line(_run("generate", *pair, "-p", "hi", "--temp", value), "temperature must be a finite number")
+        _one_error_line(_run("generate", *pair, "-p", "hi", "--temp", value), "temperature must be >= 0 and finite")
         for flag in ("--prompt-cache-bytes", "--prompt-cache-disk-bytes"):
             _one_error_line(_run("serve", *pair, flag, value), f"{flag} must be a finite size above 0")
     for flag in ("--presence-penalty", "--frequency-penalty"):

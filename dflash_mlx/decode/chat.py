@@ -107,7 +107,7 @@ class ChatSession:
 
         prompt = self._prompt()
         limit = self.target.max_positions
-        if limit is not None and len(prompt) >= limit:
+        if limit is not None and len(prompt) >= limit and len(self.messages) > 1:  # alone, generate says it is too long
             self.messages.pop()
             raise DFlashError(f"the conversation, with this message, holds {len(prompt)} tokens and the model "
                               f"{limit} positions: /reset starts a new one (/save keeps this one first)")
