@@ -68,6 +68,7 @@ def main() -> None:
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
     if pair is None:
         sys.exit("no trained pair: run python bench/build_pair.py first (or pass --pair)")
+    pair = pair.resolve()  # the runs start in each checkout's folder
     if (pair / "heldout.jsonl").is_file():  # the toy pair's held-out code
         prompts = [json.loads(line)["prompt"] for line in (pair / "heldout.jsonl").read_text().splitlines()]
     else:  # the built-in math, code and chat prompts, in turn (as raw text: the same in both checkouts)
