@@ -325,7 +325,20 @@ def own_policy(row: Row) -> Callable[[], None]:
     acceptance) back to the shared policy once the row ends, as one generation's policy carries over to the next."""
     shared = row.policy
     row.policy = copy.deepcopy(shared)
-    return lambda: vars(shared).update(vars(row.policy))
+
+    def hand_back() -> None:
+        # Still one row's state over the others' (merging them is issue 47's step 4), but a row that has not
+        # finished measuring the cycle costs never undoes one that has: the next request would warm up again.
+        if _costs_ready(shared) and not _costs_ready(row.policy):
+            return
+        vars(shared).update(vars(row.policy))
+
+    return hand_back
+
+
+def _costs_ready(policy: Any) -> bool:
+    costs = getattr(policy, "costs", None)
+    return bool(getattr(costs, "ready", False))
 
 
 def batch_generate(
