@@ -13,7 +13,7 @@ from helpers import plain_greedy
 from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
 from dflash_mlx.decode.batch import Batch, batch_generate
 from dflash_mlx.decode.cycle import prefill
-from dflash_mlx.decode.generate import setup
+from dflash_mlx.decode.generate import keyword_settings, setup
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.caches import RecurrentCache, trim_to
 
@@ -193,7 +193,7 @@ def test_a_row_leaves_the_batch_with_the_caches_it_had_alone(arch_pairs, name, s
     settings = dict(max_tokens=MAX_TOKENS, eos_token_ids=[], block_size=16, draft_source="copy")
     batch, rows, ids = Batch(target), [], [tokenizer.encode(p) for p in BATCH_PROMPTS]
     for prompt in ids:
-        row = setup(target, drafter, tokenizer, prompt, **settings).row
+        row = setup(target, drafter, tokenizer, prompt, *keyword_settings(**settings)).row
         for c in row.cache.target:
             if isinstance(c, RecurrentCache):
                 c.step_states = step_states

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 from dflash_mlx import DFlashError, generate, load, stream_generate
 from dflash_mlx.decode.batch import Batch, BatchPlanner, batch_generate
 from dflash_mlx.decode.cycle import prefill
-from dflash_mlx.decode.generate import setup
+from dflash_mlx.decode.generate import keyword_settings, setup
 from dflash_mlx.decode.policy import COPY, AdaptiveDepth, Plan
 from dflash_mlx.decode.ragged import RaggedKVCache
 from dflash_mlx.decode.repeats import Repeats
@@ -110,7 +110,7 @@ def test_a_row_that_leaves_holds_its_history_and_goes_on_alone(pairs):
     target, drafter, tokenizer = pairs["qwen3"]
     batch, rows, ids = Batch(target), [], [tokenizer.encode(p) for p in PROMPTS]
     for prompt in ids:
-        request = setup(target, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS, eos_token_ids=[])
+        request = setup(target, drafter, tokenizer, prompt, *keyword_settings(max_tokens=MAX_TOKENS, eos_token_ids=[]))
         row = request.row
         row.first(prefill(target, drafter, row.cache, prompt, 2048, lambda done, total: None))
         batch.join(row)

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 from dflash_mlx.cli.main import app
 from dflash_mlx.decode.chat import HELP as CHAT_HELP
 from dflash_mlx.decode.chat import ChatSession, stats_line
+from dflash_mlx.decode.settings import RequestSettings
 from dflash_mlx.errors import DFlashError
 
 CLI = Path(sys.executable).parent / "dflash-mlx"  # the console script of this venv (there is no __main__)
@@ -389,7 +390,7 @@ def test_piped_stdin(models_dir, pairs):
 
     # The same conversation in-process: stdout must be exactly the two replies, a newline after each.
     target, drafter, tokenizer = pairs["qwen3"]
-    session = ChatSession(target, drafter, tokenizer, options=dict(max_tokens=40))
+    session = ChatSession(target, drafter, tokenizer, asked=RequestSettings(max_tokens=40))
     replies = [session.reply(message).text for message in ("hello", "how are you")]
     assert run.stdout == "".join(reply + "\n" for reply in replies)
 
@@ -467,7 +468,7 @@ def test_the_next_prompt_keeps_the_end_of_turn_whatever_the_reply(tmp_path, repl
     fixtures.write_scripted_target(tmp_path / "target", {"assistant\n": [reply, "<|im_end|>"]}, config=config)
     fixtures.write_drafter(tmp_path / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
     target, drafter, tokenizer = load(str(tmp_path / "draft"), str(tmp_path / "target"))
-    session = ChatSession(target, drafter, tokenizer, options={"max_tokens": 8})
+    session = ChatSession(target, drafter, tokenizer, asked=RequestSettings(max_tokens=8))
     assert session.reply("hello").text == reply
     held = len(session.cache.tokens)  # the first prompt and the reply
     session.reply("and again")
@@ -481,7 +482,7 @@ def test_a_full_conversation_points_to_reset(pairs):
     (issue 49, a new user's item 5); after /reset the chat answers again."""
     target, drafter, tokenizer = pairs["qwen3"]
     limit = target.max_positions
-    session = ChatSession(target, drafter, tokenizer, options=dict(max_tokens=limit))
+    session = ChatSession(target, drafter, tokenizer, asked=RequestSettings(max_tokens=limit))
     per_word = len(tokenizer.encode(" word" * 100, add_special_tokens=False)) / 100
     session.reply("word" + " word" * int((limit - 80) / per_word))  # leaves a few dozen positions to reply in
     assert session.last.finish_reason == "length" and len(session.ids) == limit

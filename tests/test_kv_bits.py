@@ -12,6 +12,7 @@ from dflash_mlx import DFlashError, generate, load, make_cache
 from dflash_mlx.cli.main import app
 from dflash_mlx.decode.batch import Batch
 from dflash_mlx.decode.cache_files import fingerprint, read_state, write_state
+from dflash_mlx.decode.settings import CacheLayout
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.caches import KVQuantization
 
@@ -74,14 +75,14 @@ def test_the_cache_turns_quantized_where_mlx_lm_does_and_holds_its_history(kv_pa
     fresh.restore(state)
     fresh.check()
     assert fresh.tokens == cache.tokens and all(type(c) is QuantizedKVCache for c in fresh.target)
-    print_ = fingerprint(target, drafter, None, 0, cache.block_size, kv)  # and through a file, as --prompt-cache-dir
+    print_ = fingerprint(target, drafter, cache.layout)  # and through a file, as --prompt-cache-dir
     write_state(tmp_path / "entry.safetensors", state, print_)
     read, _ = read_state(tmp_path / "entry.safetensors", print_)
     again = make_cache(target, drafter, kv=kv)
     again.restore(read)
     again.check()
     assert again.tokens == cache.tokens and all(type(c) is QuantizedKVCache for c in again.target)
-    assert print_ != fingerprint(target, drafter, None, 0, cache.block_size)  # never read into an unquantized run
+    assert print_ != fingerprint(target, drafter, CacheLayout(block_size=cache.block_size))  # never read into an unquantized run
 
 
 def test_what_does_not_combine_with_kv_bits_is_refused(kv_pairs, pairs):
@@ -152,7 +153,7 @@ def test_a_quantized_entry_read_back_from_disk_serves_a_shared_prefix(kv_pairs, 
     (one definition of rewindable): a prompt that shares only a prefix with the stored one reuses that prefix."""
     from dflash_mlx import make_cache
     from dflash_mlx.decode.cache_files import fingerprint
-    from dflash_mlx.server.prompt_cache import PromptCache
+    from dflash_mlx.server.prompt_cache import CacheLimits, PromptCache
 
     target, drafter, tokenizer = kv_pairs["drafter"]
     kv = KVQuantization(4, 64, 0)
@@ -168,8 +169,8 @@ def test_a_quantized_entry_read_back_from_disk_serves_a_shared_prefix(kv_pairs, 
         return out
 
     def store():
-        return PromptCache(make_cache(target, drafter, kv=kv), directory=tmp_path,
-                           fingerprint=fingerprint(target, drafter, None, 0, drafter.block_size, kv))
+        return PromptCache(make_cache(target, drafter, kv=kv), CacheLimits(directory=tmp_path),
+                           fingerprint(target, drafter, CacheLayout(block_size=drafter.block_size, kv=kv)))
 
     before = store()
     ask(before, first)

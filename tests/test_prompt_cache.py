@@ -30,8 +30,9 @@ from dflash_mlx.decode.cache_files import (
     read_state,
     write_state,
 )
+from dflash_mlx.decode.settings import CacheLayout
 from dflash_mlx.models import fixtures
-from dflash_mlx.server.prompt_cache import STALE_WRITE, PromptCache
+from dflash_mlx.server.prompt_cache import STALE_WRITE, CacheLimits, PromptCache
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
 LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
@@ -55,8 +56,8 @@ def layouts(tmp_path_factory):
 
 def _store(pair, directory=None, **caps) -> PromptCache:
     target, drafter, _, window, _ = pair
-    print_ = fingerprint(target, drafter, window, 0, BLOCK) if directory is not None else None
-    return PromptCache(make_cache(target, drafter, window, 0, BLOCK), directory=directory, fingerprint=print_, **caps)
+    print_ = fingerprint(target, drafter, CacheLayout(window, 0, BLOCK)) if directory is not None else None
+    return PromptCache(make_cache(target, drafter, window, 0, BLOCK), CacheLimits(directory=directory, **caps), print_)
 
 
 def _ask(pair, store: PromptCache, messages, responses=None):
@@ -307,7 +308,7 @@ def test_each_write_has_a_temporary_name_of_its_own(layouts, tmp_path, monkeypat
     written = []
     save = mx.save_safetensors
     monkeypatch.setattr(mx, "save_safetensors", lambda path, *a, **k: (written.append(Path(path)), save(path, *a, **k)))
-    print_ = fingerprint(pair[0], pair[1], pair[3], 0, BLOCK)
+    print_ = fingerprint(pair[0], pair[1], CacheLayout(pair[3], 0, BLOCK))
     for _ in range(2):
         write_state(tmp_path / "entry.safetensors", store.entries[-1].state, print_)
     assert len(set(written)) == 2 and all(is_temporary(p) and f".{os.getpid()}-" in p.name for p in written)
@@ -422,10 +423,10 @@ def test_a_cache_of_an_adapted_target_is_not_the_bare_targets(models_dir, tmp_pa
 
     adapters = [fixtures.write_lora_adapter(tmp_path / f"a{seed}", models_dir / "qwen3", seed=seed) for seed in (0, 1)]
     bare = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"))
-    prints = [fingerprint(bare[0], bare[1], None, 0, BLOCK)]
+    prints = [fingerprint(bare[0], bare[1], CacheLayout(block_size=BLOCK))]
     for adapter in adapters:
         target, drafter, _ = load(str(models_dir / "qwen3-dflash"), str(models_dir / "qwen3"), adapter_path=str(adapter))
-        prints.append(fingerprint(target, drafter, None, 0, BLOCK))
+        prints.append(fingerprint(target, drafter, CacheLayout(block_size=BLOCK)))
     assert len(set(prints)) == 3
 
 

@@ -16,6 +16,7 @@ from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
 from dflash_mlx.decode.chat import ChatSession
 from dflash_mlx.decode.cycle import CATCH_UP
 from dflash_mlx.decode.policy import FixedBlock
+from dflash_mlx.decode.settings import CacheLayout, DecodeSettings, RequestSettings
 from dflash_mlx.models import fixtures
 
 FOLLOW = " and then"
@@ -163,7 +164,8 @@ def test_interrupted_prefill_resumes(pairs):
 def test_chat_survives_an_error_mid_reply(pairs, error):
     """A reply that fails after a few cycles: the session's cache stays valid, the next turn is lossless."""
     target, drafter, tokenizer = pairs["qwen3"]
-    session = ChatSession(target, drafter, tokenizer, block_size=4, options=dict(max_tokens=40, eos_token_ids=[]))
+    session = ChatSession(target, drafter, tokenizer, decoding=DecodeSettings(CacheLayout(block_size=4)),
+                          asked=RequestSettings(max_tokens=40, eos_token_ids=frozenset()))
     session.reply("hello there")
     session.cache.check()
     seen = []
@@ -267,7 +269,8 @@ def test_chat_keeps_the_committed_reply_after_ctrl_c(tmp_path, monkeypatch):
     fixtures.write_constant_drafter(tmp_path / "constant", fixtures.drafter_config(config), tmp_path / "target", loop_token)
     target, drafter, tokenizer = load(str(tmp_path / "constant"), str(tmp_path / "target"))
 
-    session = ChatSession(target, drafter, tokenizer, block_size=8, options=dict(max_tokens=200, eos_token_ids=[]))
+    session = ChatSession(target, drafter, tokenizer, decoding=DecodeSettings(CacheLayout(block_size=8)),
+                          asked=RequestSettings(max_tokens=200, eos_token_ids=frozenset()))
     _interrupt_after_commit(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):
         session.reply("hello world")

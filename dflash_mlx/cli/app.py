@@ -20,6 +20,7 @@ from typer.core import TyperGroup
 
 from .. import __version__, distributed
 from ..errors import DFlashError
+from ..models.caches import KVQuantization
 from .checks import check_loaded
 
 err = Console(stderr=True, highlight=False)
@@ -143,8 +144,8 @@ TEMPLATE_ARGS = typer.Option(
 )
 KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits (2-6 or 8, as mlx-lm) "
                                                  "once it holds --quantized-kv-start tokens \\[default: off].")
-KV_GROUP = typer.Option(64, "--kv-group-size", help="Group size of --kv-bits.")
-KV_START = typer.Option(5000, "--quantized-kv-start", help="With --kv-bits: tokens the cache holds before it turns "
+KV_GROUP = typer.Option(KVQuantization.group_size, "--kv-group-size", help="Group size of --kv-bits.")
+KV_START = typer.Option(KVQuantization.start, "--quantized-kv-start", help="With --kv-bits: tokens the cache holds before it turns "
                                                              "quantized.")
 ADAPTER = typer.Option(None, "--adapter-path", help="An mlx-lm LoRA adapter folder (mlx_lm.lora's output) for the target.")
 STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")

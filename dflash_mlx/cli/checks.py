@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .. import distributed
 from ..errors import DFlashError
+
+if TYPE_CHECKING:
+    from ..models.caches import KVQuantization
+    from ..server.prompt_cache import CacheLimits
 
 
 def check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
@@ -59,15 +63,14 @@ def processing(repetition_penalty: Optional[float], repetition_context_size: int
     return {k: v for k, v in settings.items() if v is not None}
 
 
-def kv_settings(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> dict[str, Any]:
-    """--kv-bits, --kv-group-size and --quantized-kv-start, checked, as ``stream_generate`` takes them ({}: off)."""
+def kv_quantization(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> Optional[KVQuantization]:
+    """--kv-bits, --kv-group-size and --quantized-kv-start, checked (None: off)."""
     from ..models.caches import KVQuantization
 
     kv = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
-    if kv is None:
-        return {}
-    kv.check(set())  # the head size against the group once the target is loaded
-    return {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
+    if kv is not None:
+        kv.check(set())  # the head size against the group once the target is loaded
+    return kv
 
 
 def template_args(text: Optional[str]) -> dict[str, Any]:
@@ -188,13 +191,14 @@ def origins(allowed: Optional[str]) -> tuple[str, ...]:
     return tuple(o.strip() for o in (allowed or "").split(",") if o.strip())
 
 
-def prompt_caches(entries: int, memory: Optional[str], disk: str, folder: Optional[str]) -> dict[str, Any]:
-    """serve's --prompt-cache-* flags as the engine's keywords; a memory cap of None is decided once the target loads."""
+def prompt_caches(entries: int, memory: Optional[str], disk: str, folder: Optional[str]) -> CacheLimits:
+    """serve's --prompt-cache-* flags; a memory cap of None is decided once the target loads."""
+    from ..server.prompt_cache import CacheLimits
+
     if entries < 1:
         raise DFlashError(f"--prompt-cache-size must be >= 1, got {entries}")
-    return dict(cache_entries=entries, cache_bytes=size(memory, "--prompt-cache-bytes") if memory else None,
-                cache_disk_bytes=size(disk, "--prompt-cache-disk-bytes"),
-                cache_dir=cache_folder(folder) if folder is not None else None)
+    return CacheLimits(entries, size(memory, "--prompt-cache-bytes") if memory else None,
+                       cache_folder(folder) if folder is not None else None, size(disk, "--prompt-cache-disk-bytes"))
 
 
 def check_bench(repeats: int, num_prompts: int, dataset: str, prompt_tokens: Optional[str], score: bool,

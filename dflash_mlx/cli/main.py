@@ -49,7 +49,7 @@ from .app import (
     err,
     user_errors,
 )
-from .checks import check_bench, check_options, kv_settings, logits_processors, processing, template_args
+from .checks import check_bench, check_options, kv_quantization, logits_processors, processing, template_args
 from .output import generation_json, generation_stats, print_machine, print_models, print_selftest, rank_peaks
 from .pairs import bundle_manifests, load_model, pair_rows, thinking_mismatch
 from .progress import prefill_progress
@@ -58,6 +58,7 @@ from .train import train
 
 if TYPE_CHECKING:
     from ..decode.generate import GenerationResponse
+    from ..decode.settings import DecodeSettings, RequestSettings
 
 @app.command()
 @user_errors
@@ -95,12 +96,16 @@ def generate(
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
     from ..chat_template import encode_prompt, has_chat_template, render, user
     from ..decode.generate import check_context
+    from ..decode.settings import CacheLayout, DecodeSettings, RequestSettings
+    from ..decode.stops import stop_list
+    from ..sampling import Sampling
 
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
-    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, **sampling)
+    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
+    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source)
     penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
     template_kwargs = template_args(chat_template_args)
-    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    decoding = DecodeSettings(CacheLayout(window, sinks, block_size, kv), prefill_step_size, draft_source)
     if raw and chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
@@ -112,30 +117,26 @@ def generate(
     if (budget := check_context(tgt.max_positions, len(ids), max_tokens)) < max_tokens:
         err.print(f"[dim]note: the prompt ({len(ids)} tokens) leaves {budget} of the model's {tgt.max_positions} "
                   "positions: the reply stops at the end of them[/]", soft_wrap=True)
-    responses, stopped = _stream(tgt, drafter, tokenizer, ids, as_json, max_tokens=max_tokens, block_size=block_size,
-                                 window=window, sinks=sinks, prefill_step_size=prefill_step_size, stop=stop,
-                                 draft_source=draft_source,
-                                 logits_processors=logits_processors(penalties, tgt.vocab_size), **sampling, **kv)
+    asked = RequestSettings(max_tokens, sampling, stop_list(stop), None,
+                            tuple(logits_processors(penalties, tgt.vocab_size) or ()))
+    responses, stopped = _stream(tgt, drafter, tokenizer, ids, as_json, decoding, asked)
     _end_generation(responses, stopped, as_json)
 
 
-def _stream(tgt: Any, drafter: Any, tokenizer: Any, ids: list[int], as_json: bool,
-            **options: Any) -> tuple[list[GenerationResponse], Optional[int]]:
+def _stream(tgt: Any, drafter: Any, tokenizer: Any, ids: list[int], as_json: bool, decoding: DecodeSettings,
+            asked: RequestSettings) -> tuple[list[GenerationResponse], Optional[int]]:
     """(responses, the exit code of an interruption or None): the text printed as it comes unless --json; Ctrl-C
     and SIGTERM keep what was generated."""
-    from ..decode.generate import generate as run
+    from ..decode.generate import run, setup
 
     responses: list[GenerationResponse] = []
-
-    def show(response: GenerationResponse) -> None:
-        responses.append(response)
-        if not as_json:
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-
     try:
         with prefill_progress(err) as progress, _terminate_as_interrupt():
-            run(tgt, drafter, tokenizer, ids, on_response=show, prompt_progress_callback=progress, **options)
+            for response in run(setup(tgt, drafter, tokenizer, ids, decoding, asked), tgt, progress):
+                responses.append(response)
+                if not as_json:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
     except KeyboardInterrupt as e:  # what was generated is kept: printed, and in the JSON marked interrupted
         return responses, 143 if isinstance(e, _Terminated) else 130
     return responses, None
@@ -286,21 +287,26 @@ def chat(
 ) -> None:
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
     from ..decode.chat import ChatSession
+    from ..decode.settings import CacheLayout, DecodeSettings, RequestSettings
+    from ..decode.stops import stop_list
+    from ..sampling import Sampling
     from .chat import converse
 
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, verify=verify)
-    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, **sampling)
+    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
+    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source)
     penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
     template_kwargs = template_args(chat_template_args)
-    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
+    decoding = DecodeSettings(CacheLayout(window, sinks, block_size,
+                                          kv_quantization(kv_bits, kv_group_size, quantized_kv_start)),
+                              draft_source=draft_source)
     model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
     if warning := thinking_mismatch(model, think):
         err.print(f"[yellow]warning:[/] {warning}")
     before_decoding(window, sinks, block_size, drafter)
-    session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, window=window, sinks=sinks,
-                          block_size=block_size, template_args=template_kwargs,
-                          options=dict(max_tokens=max_tokens, **sampling, stop=stop, draft_source=draft_source,
-                                       logits_processors=logits_processors(penalties, tgt.vocab_size), **kv))
+    asked = RequestSettings(max_tokens, sampling, stop_list(stop), None,
+                            tuple(logits_processors(penalties, tgt.vocab_size) or ()))
+    session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, decoding=decoding, asked=asked,
+                          template_args=template_kwargs)
     converse(session, model, err)
 
 
@@ -343,7 +349,7 @@ def bench(
     from . import bench as cli_bench
 
     check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
-    kv = kv_settings(kv_bits, kv_group_size, quantized_kv_start)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     lengths = check_bench(repeats, num_prompts, dataset, prompt_tokens, score, score_timeout, score_unisolated,
                           json_out, plot_out, force)
     listed = cli_bench.listed_prompts(dataset, num_prompts)
@@ -351,7 +357,7 @@ def bench(
     before_decoding(window, sinks, block_size, drafter)
     conversations = cli_bench.bench_prompts(listed, lengths, dataset, num_prompts, tokenizer, tgt.max_positions)
     options = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
-                   temperature=temperature, repeats=repeats, **kv)
+                   temperature=temperature, repeats=repeats, **(kv.keywords() if kv is not None else {}))
     records, planned, interrupted = cli_bench.measure(err, tgt, drafter, tokenizer, conversations, **options)
     if interrupted and not records:
         err.print("[yellow]interrupted[/] before the first prompt was measured; nothing written")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -24,9 +25,22 @@ from .app import (
     user_errors,
     warn,
 )
-from .checks import check_http_stack, check_options, check_serving, kv_settings, origins, prompt_caches, template_args
+from .checks import (
+    check_http_stack,
+    check_options,
+    check_serving,
+    kv_quantization,
+    origins,
+    prompt_caches,
+    template_args,
+)
 from .output import serving_line
 from .pairs import load_model
+
+if TYPE_CHECKING:
+    from ..decode.settings import DecodeSettings
+    from ..server.prompt_cache import CacheLimits
+    from ..server.request import Defaults
 
 
 @user_errors
@@ -70,7 +84,7 @@ def serve(
         "\\[default: rows of 8k tokens in half the memory, at most 8]."),
 ) -> None:
     """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
-    from ..models.caches import KVQuantization
+    from ..decode.settings import CacheLayout, DecodeSettings
     from ..server.request import Defaults
 
     check_http_stack()
@@ -79,12 +93,11 @@ def serve(
     check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
                   top_p=top_p, top_k=top_k, min_p=min_p)
     check_serving(port, keepalive, log_level, max_batch, api_key)
-    kv = KVQuantization.of(**kv_settings(kv_bits, kv_group_size, quantized_kv_start))
-    caches = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
-    model, engine = _engine(model, target, chat_template, adapter_path, caches, window, sinks, block_size,
-                            draft_source=draft_source, kv=kv,
-                            prefill_step_size=prefill_step_size, max_batch=max_batch,
-                            defaults=Defaults(temperature, top_p, top_k, min_p, max_tokens, template_args(chat_template_args)))
+    layout = CacheLayout(window, sinks, block_size, kv_quantization(kv_bits, kv_group_size, quantized_kv_start))
+    limits = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
+    defaults = Defaults(temperature, top_p, top_k, min_p, max_tokens, template_args(chat_template_args))
+    model, engine = _engine(model, target, chat_template, adapter_path, DecodeSettings(layout, prefill_step_size,
+                            draft_source), defaults, limits, max_batch)
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
@@ -94,8 +107,8 @@ def serve(
 
 
 def _engine(model: Optional[str], target: Optional[str], chat_template: Optional[str], adapter_path: Optional[str],
-            caches: dict[str, Any], window: Optional[int], sinks: int, block_size: Optional[int],
-            **options: Any) -> tuple[str, Any]:
+            decoding: DecodeSettings, defaults: Defaults, limits: CacheLimits, max_batch: Optional[int],
+            ) -> tuple[str, Any]:
     """(name, engine): the pair loaded under a status line, its prompt caches capped at a quarter of memory
     unless --prompt-cache-bytes says otherwise or the target is sharded."""
     from ..decode.batch import default_max_batch
@@ -104,16 +117,14 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
 
     with err.status("loading the model"):
         model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
-    before_decoding(window, sinks, block_size, drafter)
-    if caches["cache_bytes"] is None and tgt.group is None:
-        caches["cache_bytes"] = machine_description()["memory_bytes"] // 4
-    asked = options["max_batch"]
-    if asked is None:
-        options["max_batch"] = default_max_batch(tgt, machine_description()["memory_bytes"])
-    engine = Engine(tgt, drafter, tokenizer, name=model, window=window, sinks=sinks, block_size=block_size,
-                    **options, **caches)
-    if asked is not None and asked > 1 and engine.max_batch == 1:
-        why = ("--window" if window is not None else "--kv-bits" if options.get("kv") is not None
+    layout = decoding.layout
+    before_decoding(layout.window, layout.sinks, layout.block_size, drafter)
+    if limits.max_bytes is None and tgt.group is None:
+        limits = dataclasses.replace(limits, max_bytes=machine_description()["memory_bytes"] // 4)
+    rows = default_max_batch(tgt, machine_description()["memory_bytes"]) if max_batch is None else max_batch
+    engine = Engine(tgt, drafter, tokenizer, model, decoding, defaults, limits, rows)
+    if max_batch is not None and max_batch > 1 and engine.max_batch == 1:
+        why = ("--window" if layout.window is not None else "--kv-bits" if layout.kv is not None
                else "a target sharded over machines")
-        warn(f"--max-batch {asked}: requests run one at a time: {why} keeps rows from sharing a pass")
+        warn(f"--max-batch {max_batch}: requests run one at a time: {why} keeps rows from sharing a pass")
     return model, engine

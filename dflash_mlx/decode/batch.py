@@ -33,9 +33,9 @@ from ..chat_template import Prompt
 from ..errors import DFlashError
 from ..models.caches import RecurrentCache, WindowKVCache
 from ..models.target import Target
-from .cycle import Emitted, InFlight, Row, decode, prefill
-from .generate import Request, responses_of, setup
-from .policy import COPY, AdaptiveDepth, CycleCosts, Plan
+from .cycle import Emitted, InFlight, Row, prefill
+from .generate import Request, keyword_settings, run, setup
+from .policy import COPY, AdaptiveDepth, CycleCosts, DraftPolicy, Plan
 from .ragged import RowView, ragged_layer
 from .responses import GenerationResponse, GenerationResult
 from .transaction import DFlashCache
@@ -342,9 +342,11 @@ def _costs_ready(policy: Any) -> bool:
 
 
 def batch_generate(
-    target: Target, drafter: Any, tokenizer: Any, prompts: Sequence[Prompt], **settings: Any
+    target: Target, drafter: Any, tokenizer: Any, prompts: Sequence[Prompt], *, policy: Optional[DraftPolicy] = None,
+    **settings: Any,
 ) -> list[GenerationResult]:
-    """Decode ``prompts`` together, one row each, with :func:`stream_generate`'s settings (``cache`` aside).
+    """Decode ``prompts`` together, one row each, with :func:`stream_generate`'s settings (``cache`` aside); a
+    ``policy`` is shared by the rows as by successive generations.
 
     Each row's output is what it would be alone: at temperature 0 the target's own
     greedy decoding. Prompts are prefilled one after another and join the batch with
@@ -354,7 +356,8 @@ def batch_generate(
     for name, what in (("cache", "a cache"), ("prompt_progress_callback", "a prefill")):
         if name in settings:
             raise DFlashError(f"batch_generate gives each prompt {what} of its own: {name}= is not taken")
-    requests = [setup(target, drafter, tokenizer, prompt, **settings) for prompt in prompts]
+    decoding, asked = keyword_settings(**settings)
+    requests = [setup(target, drafter, tokenizer, prompt, decoding, asked, policy=policy) for prompt in prompts]
     if not requests:
         return []
     if not Batch.fits(target, requests[0].row.cache):
@@ -402,5 +405,4 @@ def batch_generate(
 
 
 def _run_alone(target: Target, request: Request) -> GenerationResult:
-    decoder = decode(request.row, request.ids[request.reused :], request.prefill_step_size, lambda done, total: None)
-    return GenerationResult.from_responses(list(responses_of(decoder, target, request.responder)))
+    return GenerationResult.from_responses(list(run(request, target)))

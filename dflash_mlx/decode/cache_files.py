@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import DFlashError
 from ..models.drafter import NoDrafter
+from .settings import CacheLayout
 from .transaction import CacheState
 
 FORMAT = 2  # of the files: a change to what they hold gets a new number, and old files are left alone
@@ -33,8 +34,7 @@ TEMPORARY = ".tmp.safetensors"  # how the name of a file being written ends (it 
 SAMPLES, SAMPLE_BYTES = 8, 1 << 16  # blocks of each weight file's data that its fingerprint reads
 
 
-def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, block_size: int,
-                kv: Optional[Any] = None) -> str:
+def fingerprint(target: Any, drafter: Any, layout: CacheLayout) -> str:
     """What a cache belongs to: the pair's files (configs, weight files, a LoRA adapter's), the target's dtype and
     feature layers, and the cache settings. Caches of another model, of other weights in the same folder, or of
     other settings never match. Tokenizer files are left out: a cache maps token ids to the model's state, whatever text made them."""
@@ -47,8 +47,9 @@ def fingerprint(target: Any, drafter: Any, window: Optional[int], sinks: int, bl
     parts = {"format": FORMAT, "target": files(getattr(target, "source", None), "target"),
              "drafter": None if isinstance(drafter, NoDrafter) else files(getattr(drafter, "source", None), "drafter"),
              "layers": list(target.layer_ids),
-             "dtype": str(target.dtype), "window": window, "sinks": sinks, "block_size": block_size}
-    if kv is not None:  # a quantized cache's entries fit only runs quantized alike (absent otherwise, as below)
+             "dtype": str(target.dtype), "window": layout.window, "sinks": layout.sinks,
+             "block_size": layout.block_size}
+    if (kv := layout.kv) is not None:  # a quantized cache's entries fit only runs quantized alike (absent otherwise, as below)
         parts["kv"] = [kv.bits, kv.group_size, kv.start]
     if (adapter := getattr(target, "adapter", None)) is not None:  # absent otherwise: caches saved before still match
         parts["adapter"] = files(adapter, "adapter", "adapter_config.json")

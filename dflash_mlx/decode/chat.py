@@ -20,11 +20,11 @@ from .. import distributed
 from ..chat_template import has_chat_template, render
 from ..errors import DFlashError
 from ..files import write_atomic
-from ..models.caches import KVQuantization
 from .cache_files import cache_file, fingerprint, read_state, write_state
-from .generate import INTERRUPTED, generate
+from .generate import INTERRUPTED, run, setup
 from .responses import GenerationResponse, GenerationResult
-from .transaction import make_cache
+from .settings import DecodeSettings, RequestSettings
+from .transaction import DFlashCache
 
 HISTORY = Path("~/.cache/dflash-mlx/chat_history")  # typed lines, recalled with Up in later chats
 HISTORY_LENGTH = 1000
@@ -40,10 +40,8 @@ class ChatSession:
     tokenizer: Any
     system: Optional[str] = None
     think: Optional[bool] = None  # the chat template's thinking switch; None: the template's default
-    window: Optional[int] = None
-    sinks: int = 0
-    block_size: Optional[int] = None
-    options: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, ... for generate()
+    decoding: DecodeSettings = DecodeSettings()
+    asked: RequestSettings = RequestSettings()  # every reply's budget, sampling, stops, ...
     template_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments for the chat template
     messages: list[dict[str, str]] = field(default_factory=list)
     last: Optional[GenerationResult] = None
@@ -53,14 +51,11 @@ class ChatSession:
         if not has_chat_template(self.tokenizer):
             raise DFlashError("the target's tokenizer has no chat template, so it cannot chat: give one with "
                               "--chat-template FILE, or use `dflash-mlx generate --no-chat-template` for raw text")
-        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size, self._kv)
-        self.ids: Optional[list[int]] = None  # the conversation as the model saw and wrote it
+        self.reset_caches()
 
     @property
-    def _kv(self) -> Optional[KVQuantization]:
-        """The quantized KV cache the options ask for (``kv_bits``), as the cache must be made for it."""
-        o = self.options
-        return KVQuantization.of(o.get("kv_bits"), o.get("kv_group_size", 64), o.get("quantized_kv_start", 5000))
+    def window(self) -> Optional[int]:
+        return self.decoding.layout.window
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -112,10 +107,11 @@ class ChatSession:
             raise DFlashError(f"the conversation, with this message, holds {len(prompt)} tokens and the model "
                               f"{limit} positions: /reset starts a new one (/save keeps this one first)")
         try:
-            self.last = generate(
-                self.target, self.drafter, self.tokenizer, prompt, on_response=collect,
-                block_size=self.block_size, window=self.window, sinks=self.sinks, cache=self.cache, **self.options,
-            )
+            request = setup(self.target, self.drafter, self.tokenizer, prompt, self.decoding, self.asked,
+                            cache=self.cache)
+            for response in run(request, self.target):
+                collect(response)
+            self.last = GenerationResult.from_responses(responses)
         except KeyboardInterrupt:
             self.last = _cut_short(responses)
             if self.last is not None:
@@ -159,7 +155,7 @@ class ChatSession:
         return json.dumps({"system": self.system, "messages": self.messages}, indent=1)
 
     def _fingerprint(self) -> str:
-        return fingerprint(self.target, self.drafter, self.window, self.sinks, self.cache.block_size)
+        return fingerprint(self.target, self.drafter, self.cache.layout)
 
     def save(self, path: str) -> str:
         """The conversation as JSON (system prompt and messages), and beside it its caches; what was saved.
@@ -235,8 +231,8 @@ class ChatSession:
         return ", caches restored"
 
     def reset_caches(self) -> None:
-        self.ids = None
-        self.cache = make_cache(self.target, self.drafter, self.window, self.sinks, self.block_size, self._kv)
+        self.ids: Optional[list[int]] = None  # the conversation as the model saw and wrote it
+        self.cache = DFlashCache.empty(self.target, self.drafter, self.decoding.layout)
 
 
 def _cut_short(responses: list[GenerationResponse]) -> Optional[GenerationResult]:

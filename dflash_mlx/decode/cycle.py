@@ -28,9 +28,8 @@ from ..models.drafter import Drafter
 from ..models.target import Target
 from ..sampling import Proposal, Sampling, Scores, copy_proposal, position_keys, sample_rows, scores, verify
 from .policy import COPY, DRAFTER, DraftPolicy, Plan
+from .settings import LogitsProcessor
 from .transaction import DFlashCache
-
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (tokens so far, logits [1, V]) -> logits
 
 # While decoding plainly, the drafter's context catches up in passes of this many
 # positions: one pass per 64 plain steps costs far less per position than one per

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -23,15 +21,16 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from ..chat_template import Prompt, encode_prompt
 from ..distributed import shared_seed
 from ..errors import DFlashError
-from ..models.caches import KVQuantization, check_block_size, check_window
+from ..models.caches import KVQuantization
 from ..models.drafter import Drafter, NoDrafter
 from ..models.target import Target
 from ..sampling import Sampling
-from .cycle import Emitted, LogitsProcessor, Row, decode
-from .policy import COPY, DRAFTER, DraftPolicy, FixedBlock, adaptive_policy, check_source
+from .cycle import Emitted, Row, decode
+from .policy import AUTO, COPY, DRAFTER, DraftPolicy, FixedBlock, adaptive_policy
 from .responses import GenerationResponse, GenerationResult
+from .settings import CacheLayout, DecodeSettings, LogitsProcessor, RequestSettings
 from .stops import StopStrings, stop_list
-from .transaction import DFlashCache, make_cache
+from .transaction import DFlashCache
 
 INTERRUPTED = "interrupted"  # the finish_reason of a generation that Ctrl-C cut short (chat, generate)
 
@@ -64,30 +63,14 @@ def stream_generate(
     tokenizer: Any,
     prompt: Prompt,
     *,
-    max_tokens: int = 256,
-    block_size: Optional[int] = None,
-    eos_token_ids: Optional[Iterable[int]] = None,
-    window: Optional[int] = None,
-    sinks: int = 0,
-    prefill_step_size: Optional[int] = None,
-    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: Optional[int] = None,
-    verify: str = "auto",
     cache: Optional[DFlashCache] = None,
     policy: Optional[DraftPolicy] = None,
-    stop: Union[None, str, Sequence[str]] = None,
-    logprobs: Optional[int] = None,
-    draft_source: str = "auto",
-    logits_processors: Optional[Sequence[LogitsProcessor]] = None,
-    kv_bits: Optional[int] = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    **settings: Any,
 ) -> Iterator[GenerationResponse]:
     """Generate greedily with DFlash, yielding one response per verify cycle.
+
+    ``settings`` are :func:`keyword_settings`' keywords (mlx-lm's names, their defaults there), described here.
 
     At ``temperature`` 0 the output equals the target's own greedy decoding (under
     the same attention window, if any) token for token. Above it, tokens are drawn
@@ -152,15 +135,49 @@ def stream_generate(
     positions, so small chunks keep a long prompt's peak memory within a few
     percent of a prompt that just fills the window.
     """
-    request = setup(
-        target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=block_size, eos_token_ids=eos_token_ids,
-        window=window, sinks=sinks, prefill_step_size=prefill_step_size, temperature=temperature, top_p=top_p,
-        top_k=top_k, min_p=min_p, seed=seed, verify=verify, cache=cache, policy=policy, stop=stop, logprobs=logprobs,
-        draft_source=draft_source, logits_processors=logits_processors, kv_bits=kv_bits,
-        kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
-    )
+    decoding, asked = keyword_settings(**settings)
+    request = setup(target, drafter, tokenizer, prompt, decoding, asked, cache=cache, policy=policy)
+    yield from run(request, target, prompt_progress_callback)
+
+
+def keyword_settings(
+    *,
+    max_tokens: int = RequestSettings.max_tokens,
+    block_size: Optional[int] = CacheLayout.block_size,
+    eos_token_ids: Optional[Iterable[int]] = None,
+    window: Optional[int] = CacheLayout.window,
+    sinks: int = CacheLayout.sinks,
+    prefill_step_size: Optional[int] = DecodeSettings.prefill_step_size,
+    temperature: float = Sampling.temperature,
+    top_p: float = Sampling.top_p,
+    top_k: int = Sampling.top_k,
+    min_p: float = Sampling.min_p,
+    seed: Optional[int] = Sampling.seed,
+    verify: str = Sampling.verify,
+    stop: Union[None, str, Sequence[str]] = None,
+    logprobs: Optional[int] = RequestSettings.logprobs,
+    draft_source: str = DecodeSettings.draft_source,
+    logits_processors: Optional[Sequence[LogitsProcessor]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = KVQuantization.group_size,
+    quantized_kv_start: int = KVQuantization.start,
+) -> tuple[DecodeSettings, RequestSettings]:
+    """:func:`stream_generate`'s (and :func:`batch_generate`'s) keywords, mlx-lm's names, as the settings objects
+    a generation runs with; each is checked as it is built."""
+    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
+    eos = None if eos_token_ids is None else frozenset(eos_token_ids)
+    asked = RequestSettings(max_tokens, sampling, stop_list(stop), logprobs, tuple(logits_processors or ()), eos)
+    layout = CacheLayout(window, sinks, block_size, KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start))
+    return DecodeSettings(layout, prefill_step_size, draft_source), asked
+
+
+def run(
+    request: Request, target: Target, progress: Optional[Callable[[int, int], None]] = None,
+) -> Iterator[GenerationResponse]:
+    """A generation that ``setup`` prepared, alone: its prefill (reporting ``(done, total)`` to ``progress``), then
+    one response per cycle."""
     decoder = decode(request.row, request.ids[request.reused:], request.prefill_step_size,
-                      prompt_progress_callback or (lambda done, total: None))
+                     progress or (lambda done, total: None))
     yield from responses_of(decoder, target, request.responder)
 
 
@@ -175,87 +192,62 @@ class Request:
     responder: _Responder
 
 
-def setup(target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, **settings: Any) -> Request:
-    """One generation with :func:`stream_generate`'s settings (whose signature is their one list, defaults
-    included), checked, its cache taken over the prompt and its policy chosen: what the solo loop or a batch runs."""
-    s = inspect.signature(stream_generate).bind(target, drafter, tokenizer, prompt, **settings)
-    s.apply_defaults()
-    o = SimpleNamespace(**s.arguments)
-    sampling = Sampling(o.temperature, o.top_p, o.top_k, o.min_p, o.seed, o.verify)
-    block_size = drafter.block_size if o.block_size is None else o.block_size
-    prefill_step_size = _check_settings(drafter, block_size, o.max_tokens, o.window, o.sinks, o.prefill_step_size,
-                                        o.logprobs)
+def setup(
+    target: Target, drafter: Drafter, tokenizer: Any, prompt: Prompt, decoding: DecodeSettings,
+    asked: RequestSettings, cache: Optional[DFlashCache] = None, policy: Optional[DraftPolicy] = None,
+) -> Request:
+    """One generation, its settings checked against the pair and the prompt, its cache taken over the prompt (the
+    caller's ``cache`` if it was made for this layout, else a new one) and its policy chosen (``policy``, else the
+    default): what the solo loop or a batch runs."""
+    layout = decoding.layout.of_pair(target, drafter)
     ids = encode_prompt(tokenizer, prompt)
-    max_tokens = check_context(target.max_positions, len(ids), o.max_tokens)
-    eos = frozenset(tokenizer.eos_token_ids if o.eos_token_ids is None else o.eos_token_ids)
-    kv = KVQuantization.of(o.kv_bits, o.kv_group_size, o.quantized_kv_start)
-    cache = _matching_cache(o.cache, target, drafter, o.window, o.sinks, block_size, kv)
-    check_source(o.draft_source)
-    policy = o.policy
+    max_tokens = check_context(target.max_positions, len(ids), asked.max_tokens)
+    eos = frozenset(tokenizer.eos_token_ids) if asked.eos_token_ids is None else asked.eos_token_ids
+    cache = _matching_cache(cache, target, drafter, layout)
+    sampling = asked.sampling
     if policy is None:
-        policy = _default_policy(target, drafter, sampling, o.window, block_size, o.block_size is not None,
-                                 o.draft_source)
-    if target.group is not None and not sampling.greedy and o.seed is None:  # every rank must draw the same
+        policy = _default_policy(target, drafter, sampling, layout, decoding.layout.block_size is not None,
+                                 decoding.draft_source)
+    if target.group is not None and not sampling.greedy and sampling.seed is None:  # every rank must draw the same
         sampling = dataclasses.replace(sampling, seed=shared_seed(target.group))
     reused, lease = cache.begin(ids)
-    row = Row(target, drafter, cache, lease, sampling, policy, o.logprobs, eos, max_tokens, o.logits_processors or ())
-    responder = _Responder(streaming_detokenizer(tokenizer), stop_list(o.stop), len(ids), reused)
-    return Request(row, ids, reused, prefill_step_size, responder)
+    row = Row(target, drafter, cache, lease, sampling, policy, asked.logprobs, eos, max_tokens,
+              asked.logits_processors)
+    responder = _Responder(streaming_detokenizer(tokenizer), asked.stop, len(ids), reused)
+    return Request(row, ids, reused, decoding.prefill_chunk(layout.block_size), responder)  # type: ignore[arg-type]
 
 
-def _check_settings(
-    drafter: Drafter, block_size: int, max_tokens: int, window: Optional[int], sinks: int,
-    prefill_step_size: Optional[int], logprobs: Optional[int],
-) -> int:
-    """Refuse bad settings before any work; return the prefill chunk (its default depends on the window)."""
-    check_block_size(block_size, drafter)
-    if max_tokens < 1:
-        raise DFlashError(f"max_tokens must be >= 1, got {max_tokens}")
-    check_window(window, sinks, block_size)
-    if prefill_step_size is None:
-        prefill_step_size = 2048 if window is None else max(block_size, min(2048, window // 16))
-    if prefill_step_size < 1:
-        raise DFlashError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-        raise DFlashError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
-    return prefill_step_size
-
-
-def _matching_cache(
-    cache: Optional[DFlashCache], target: Target, drafter: Drafter, window: Optional[int], sinks: int, block_size: int,
-    kv: Optional[KVQuantization] = None,
-) -> DFlashCache:
-    """The caller's cache, if it was made for this pair and these settings, else a new one."""
+def _matching_cache(cache: Optional[DFlashCache], target: Target, drafter: Drafter, layout: CacheLayout
+                    ) -> DFlashCache:
+    """The caller's cache, if it was made for this pair and this layout, else a new one."""
     if cache is None:
-        return make_cache(target, drafter, window, sinks, block_size, kv)
+        return DFlashCache.empty(target, drafter, layout)
     cache.check_pair(target, drafter)
-    if (cache.window, cache.sinks, cache.block_size) != (window, sinks, block_size):
-        raise DFlashError(
-            f"cache was made for window={cache.window}, sinks={cache.sinks}, block_size={cache.block_size}; "
-            f"this call uses window={window}, sinks={sinks}, block_size={block_size}"
-        )
-    if cache.kv != kv:
-        raise DFlashError(f"cache was made for kv={cache.kv}; this call uses kv={kv} (make_cache's kv, the call's "
-                          "kv_bits, kv_group_size and quantized_kv_start must agree)")
+    if (cache.window, cache.sinks, cache.block_size) != (layout.window, layout.sinks, layout.block_size):
+        raise DFlashError(f"cache was made for {cache.layout.describe()}; this call uses {layout.describe()}")
+    if cache.kv != layout.kv:
+        raise DFlashError(f"cache was made for kv={cache.kv}; this call uses kv={layout.kv} (make_cache's kv, the "
+                          "call's kv_bits, kv_group_size and quantized_kv_start must agree)")
     return cache
 
 
 def _default_policy(
-    target: Target, drafter: Drafter, sampling: Sampling, window: Optional[int], block_size: int, pinned: bool,
-    draft_source: str,
+    target: Target, drafter: Drafter, sampling: Sampling, layout: CacheLayout, pinned: bool, draft_source: str,
 ) -> DraftPolicy:
     """Adaptive depth, except where full blocks are asked for or needed: seeded rejection sampling drafts full
     blocks, because adaptive depths would change its draw."""
+    block_size = layout.block_size
     reproducible = sampling.seed is not None and not sampling.greedy and not sampling.positional
     alone = isinstance(drafter, NoDrafter)
     if alone and draft_source == DRAFTER:
         raise DFlashError("this model was loaded alone, without a drafter: --draft-source drafter needs one "
                           "(pass a DFlash drafter, or use auto or copy)")
     if draft_source == COPY or (alone and (pinned or reproducible)):
-        return FixedBlock(block_size, COPY)
+        return FixedBlock(block_size, COPY)  # type: ignore[arg-type]
     if pinned or reproducible:
-        return FixedBlock(block_size)
-    return adaptive_policy(target, drafter, window, block_size, copies=draft_source == "auto", drafts=not alone)
+        return FixedBlock(block_size)  # type: ignore[arg-type]
+    return adaptive_policy(target, drafter, layout.window, block_size, copies=draft_source == AUTO,
+                           drafts=not alone)
 
 
 class _SpacesStreamed(BPEStreamingDetokenizer):

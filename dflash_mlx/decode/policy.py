@@ -29,8 +29,8 @@ from ..distributed import from_main
 from ..errors import DFlashError
 from .repeats import Repeats
 
-DRAFTER, COPY = "drafter", "copy"
-SOURCES = ("auto", DRAFTER, COPY)  # what ``--draft-source`` takes: auto lets the adaptive policy choose
+AUTO, DRAFTER, COPY = "auto", "drafter", "copy"
+SOURCES = (AUTO, DRAFTER, COPY)  # what ``--draft-source`` takes: auto lets the adaptive policy choose
 
 
 class Plan(NamedTuple):

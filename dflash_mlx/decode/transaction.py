@@ -16,15 +16,13 @@ from ..errors import DFlashError
 from ..models.caches import (
     KVQuantization,
     LayerState,
-    check_block_size,
-    check_kv,
-    check_window,
     layer_state,
     rewindable,
     rewindable_kinds,
     set_layer_state,
     trim_to,
 )
+from .settings import CacheLayout
 
 
 @dataclass
@@ -72,10 +70,7 @@ class DFlashCache:
 
     target: list[Any]
     drafter: list[Any]  # empty when the block size is 1 (the drafter never runs)
-    window: Optional[int]
-    sinks: int
-    block_size: int
-    kv: Optional[KVQuantization] = None  # the target's KV cache quantized (--kv-bits), from kv.start tokens
+    layout: CacheLayout  # what the caches were made for, its block size resolved
     tokens: list[int] = field(default_factory=list)  # the committed history, in order
     fresh: Callable[[], tuple[list[Any], list[Any]]] = field(default=lambda: ([], []), repr=False)
     pair: tuple[Any, Any] = field(default=(None, None), repr=False)  # the (target, drafter) it was made for
@@ -84,6 +79,35 @@ class DFlashCache:
     # (joining at every commit would copy the growing pending block again and again).
     _parts: list[mx.array] = field(default_factory=list, repr=False)
     _pending: int = field(default=0, repr=False)  # positions in _parts, counted as they come (asked every step)
+
+    @classmethod
+    def empty(cls, target: Any, drafter: Any, layout: CacheLayout) -> DFlashCache:
+        """Empty caches for generations of this pair with this layout (checked against the pair)."""
+        layout = layout.of_pair(target, drafter)
+        window, sinks, block_size = layout.window, layout.sinks, layout.block_size
+
+        def fresh() -> tuple[list[Any], list[Any]]:
+            drafter_caches = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
+            return target.make_cache(window, sinks, slack=block_size), drafter_caches
+
+        target_caches, drafter_caches = fresh()
+        return cls(target_caches, drafter_caches, layout, fresh=fresh, pair=(target, drafter))
+
+    @property
+    def window(self) -> Optional[int]:
+        return self.layout.window
+
+    @property
+    def sinks(self) -> int:
+        return self.layout.sinks
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size  # type: ignore[return-value]  (resolved when the cache was made)
+
+    @property
+    def kv(self) -> Optional[KVQuantization]:
+        return self.layout.kv
 
     @property
     def nbytes(self) -> int:
@@ -270,20 +294,9 @@ class DFlashCache:
 
 
 def make_cache(
-    target: Any, drafter: Any, window: Optional[int] = None, sinks: int = 0, block_size: Optional[int] = None,
-    kv: Optional[KVQuantization] = None,
+    target: Any, drafter: Any, window: Optional[int] = CacheLayout.window, sinks: int = CacheLayout.sinks,
+    block_size: Optional[int] = CacheLayout.block_size, kv: Optional[KVQuantization] = CacheLayout.kv,
 ) -> DFlashCache:
     """Empty caches for generations of this pair with these settings (see ``stream_generate``); ``kv``: the
     target's KV cache quantized as mlx-lm's ``--kv-bits`` does."""
-    block_size = drafter.block_size if block_size is None else block_size
-    check_block_size(block_size, drafter)
-    check_window(window, sinks, block_size)
-    check_kv(kv, target, window)
-
-    def fresh() -> tuple[list[Any], list[Any]]:
-        drafter_caches = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
-        return target.make_cache(window, sinks, slack=block_size), drafter_caches
-
-    target_caches, drafter_caches = fresh()
-    return DFlashCache(target_caches, drafter_caches, window, sinks, block_size, kv, fresh=fresh,
-                       pair=(target, drafter))
+    return DFlashCache.empty(target, drafter, CacheLayout(window, sinks, block_size, kv))

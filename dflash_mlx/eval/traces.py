@@ -140,14 +140,16 @@ def measure_batch_cycles(target: Target, drafter: Drafter, tokenizer: Any, rows:
     from ..decode.batch import Batch
     from ..decode.cycle import prefill
     from ..decode.generate import setup
+    from ..decode.settings import CacheLayout, DecodeSettings, RequestSettings
     from .prompts import context_prompts
 
     ids = context_prompts(tokenizer, [context], target.max_positions)[0].token_ids
     runs = []
     for _ in range(repeats):
         batch = Batch(target)
-        requests = [setup(target, drafter, tokenizer, ids, max_tokens=cycles * (depth + 1) + 8,
-                          block_size=depth + 1, eos_token_ids=[]) for _ in range(rows)]
+        decoding = DecodeSettings(CacheLayout(block_size=depth + 1))
+        asked = RequestSettings(max_tokens=cycles * (depth + 1) + 8, eos_token_ids=frozenset())
+        requests = [setup(target, drafter, tokenizer, ids, decoding, asked) for _ in range(rows)]
         for request in requests:
             request.row.first(prefill(target, drafter, request.row.cache, ids, 2048, lambda done, total: None))
             batch.join(request.row)

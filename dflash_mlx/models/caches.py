@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import mlx.core as mx
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
 
 from ..errors import DFlashError
@@ -67,13 +68,17 @@ class KVQuantization:
 
     bits: int
     group_size: int = 64
-    start: int = 5000  # mlx-lm's DEFAULT_QUANTIZED_KV_START
+    start: int = DEFAULT_QUANTIZED_KV_START
 
     @classmethod
-    def of(cls, kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 5000
+    def of(cls, kv_bits: Optional[int] = None, kv_group_size: int = group_size, quantized_kv_start: int = start
            ) -> Optional[KVQuantization]:
         """From mlx-lm's three settings (None: no quantization)."""
         return None if kv_bits is None else cls(kv_bits, kv_group_size, quantized_kv_start)
+
+    def keywords(self) -> dict[str, int]:
+        """As mlx-lm's ``generate_step`` (and ``stream_generate``) take it."""
+        return {"kv_bits": self.bits, "kv_group_size": self.group_size, "quantized_kv_start": self.start}
 
     def check(self, head_dims: set[int]) -> None:
         if self.bits not in KV_BITS:

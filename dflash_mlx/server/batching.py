@@ -26,7 +26,7 @@ from ..decode.batch import Batch, BatchCycle, batch_planner, own_policy
 from ..decode.cycle import Emitted, prefill_steps
 from ..decode.generate import Request, setup
 from ..decode.responses import GenerationResponse, GenerationResult
-from ..decode.transaction import make_cache
+from ..decode.transaction import DFlashCache
 from ..errors import DFlashError
 from .engine import Engine, Job, failure, figures
 from .request import APIError
@@ -158,12 +158,11 @@ class BatchRunner:
 
     def _take(self, job: Job) -> None:
         engine, c = self.engine, job.completion
-        cache = make_cache(engine.target, engine.drafter, engine.options["window"], engine.options["sinks"],
-                           engine.options["block_size"], engine.kv)
+        cache = DFlashCache.empty(engine.target, engine.drafter, engine.decoding.layout)
         engine.store.prepare(c.ids, cache)
         try:
-            request = setup(engine.target, engine.drafter, engine.tokenizer, c.ids, max_tokens=c.max_tokens,
-                            cache=cache, stop=c.stop, logprobs=c.logprobs, **engine.options, **c.settings())
+            request = setup(engine.target, engine.drafter, engine.tokenizer, c.ids, engine.decoding, c.settings(),
+                            cache=cache)
         except DFlashError as e:
             job.report("error", APIError(400, str(e)))
             return

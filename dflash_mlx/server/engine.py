@@ -18,19 +18,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..decode.batch import Batch, check_max_batch
 from ..decode.cache_files import fingerprint
-from ..decode.generate import stream_generate
+from ..decode.generate import run, setup
 from ..decode.responses import GenerationResponse, GenerationResult
-from ..decode.transaction import make_cache
+from ..decode.settings import DecodeSettings
+from ..decode.transaction import DFlashCache
 from ..distributed import from_main, from_main_bytes
 from ..errors import DFlashError
-from ..models.caches import KVQuantization
 from .metrics import Metrics
-from .prompt_cache import PromptCache
+from .prompt_cache import CacheLimits, PromptCache
 from .request import APIError, Completion, Defaults
 
 
@@ -61,24 +60,18 @@ class Engine:
     it interrupts, which abandons its cycle as any interrupted generation does.
     """
 
-    def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str, window: Optional[int] = None,
-                 sinks: int = 0, block_size: Optional[int] = None, prefill_step_size: Optional[int] = None,
-                 defaults: Defaults = Defaults(), cache_entries: int = 10, cache_bytes: Optional[int] = None,
-                 cache_dir: Optional[Path] = None, cache_disk_bytes: Optional[int] = None, draft_source: str = "auto",
-                 max_batch: int = 1, kv: Optional[KVQuantization] = None):
+    def __init__(self, target: Any, drafter: Any, tokenizer: Any, name: str,
+                 decoding: DecodeSettings = DecodeSettings(), defaults: Defaults = Defaults(),
+                 limits: CacheLimits = CacheLimits(), max_batch: int = 1):
         self.target, self.drafter, self.tokenizer, self.name = target, drafter, tokenizer, name
-        self.options = dict(window=window, sinks=sinks, block_size=block_size, prefill_step_size=prefill_step_size,
-                            draft_source=draft_source)
-        if kv is not None:
-            self.options.update(kv_bits=kv.bits, kv_group_size=kv.group_size, quantized_kv_start=kv.start)
-        self.defaults, self.kv = defaults, kv
-        cache = make_cache(target, drafter, window, sinks, block_size, kv)
-        if target.group is not None and (cache_dir is not None or cache_bytes is not None):
+        self.decoding, self.defaults = decoding, defaults
+        cache = DFlashCache.empty(target, drafter, decoding.layout)
+        if target.group is not None and (limits.directory is not None or limits.max_bytes is not None):
             # Every rank must choose the same entry: by count alone (a rank's bytes are its share's).
             raise DFlashError("a sharded target keeps its prompt cache by entry count only: drop --prompt-cache-dir "
                               "and --prompt-cache-bytes under mlx.launch")
-        print_ = fingerprint(target, drafter, window, sinks, cache.block_size, kv) if cache_dir is not None else None
-        self.store = PromptCache(cache, cache_entries, cache_bytes, cache_dir, cache_disk_bytes, print_)
+        print_ = fingerprint(target, drafter, cache.layout) if limits.directory is not None else None
+        self.store = PromptCache(cache, limits, print_)
         check_max_batch(max_batch)
         # Rows share a pass only where every layer is full attention, without a window, on one machine.
         self.max_batch = max_batch if Batch.fits(target, cache) else 1
@@ -166,10 +159,8 @@ class Engine:
 
         self.store.prepare(c.ids)
         started = time.perf_counter()
-        responses = stream_generate(
-            self.target, self.drafter, self.tokenizer, c.ids, max_tokens=c.max_tokens, cache=self.cache, stop=c.stop,
-            logprobs=c.logprobs, prompt_progress_callback=prefilling, **self.options, **c.settings(),
-        )
+        request = setup(self.target, self.drafter, self.tokenizer, c.ids, self.decoding, c.settings(), cache=self.cache)
+        responses = run(request, self.target, prefilling)
         seen: list[GenerationResponse] = []
         ttft = 0.0
         try:
@@ -190,9 +181,9 @@ class Engine:
         if not seen or not seen[-1].finish_reason:
             job.report("done", None)
             return
-        run = GenerationResult.from_responses(seen)
-        self.metrics.record(run, ttft)
-        job.report("done", figures(run))
+        result = GenerationResult.from_responses(seen)
+        self.metrics.record(result, ttft)
+        job.report("done", figures(result))
 
 
 def figures(run: GenerationResult) -> dict[str, Any]:

@@ -70,29 +70,37 @@ class Entry:
         return self.state.nbytes if self.state is not None else 0
 
 
+@dataclass(frozen=True)
+class CacheLimits:
+    """How much a server's prompt cache keeps (``serve --prompt-cache-*``)."""
+
+    max_entries: int = 10
+    max_bytes: Optional[int] = None  # memory cap over the entries' arrays; None: none
+    directory: Optional[Path] = None  # the disk tier; None: memory only
+    max_disk_bytes: Optional[int] = None
+
+
 @dataclass
 class PromptCache:
     """The entries a server resumes requests from, around the one ``DFlashCache`` it generates with."""
 
     cache: DFlashCache
-    max_entries: int = 10
-    max_bytes: Optional[int] = None  # memory cap over the entries' arrays
-    directory: Optional[Path] = None  # the disk tier (with its fingerprint's folder below it)
-    max_disk_bytes: Optional[int] = None
-    fingerprint: Optional[str] = None
+    limits: CacheLimits = CacheLimits()
+    fingerprint: Optional[str] = None  # the pair's and layout's (``cache_files.fingerprint``): needed on disk
     entries: list[Entry] = field(default_factory=list)
+    directory: Optional[Path] = field(default=None, init=False)  # the disk tier: the limits' folder for the fingerprint
     _clock: int = 0
     _writes: Optional[queue.Queue] = field(default=None, repr=False)
     _writer: Optional[threading.Thread] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_entries < 1:
-            raise DFlashError(f"the prompt cache holds at least 1 entry, got {self.max_entries}")
-        if self.directory is None:
+        if self.limits.max_entries < 1:
+            raise DFlashError(f"the prompt cache holds at least 1 entry, got {self.limits.max_entries}")
+        if self.limits.directory is None:
             return
         if self.fingerprint is None:
             raise DFlashError("a prompt cache on disk needs the pair's fingerprint")
-        self.directory = Path(self.directory).expanduser() / f"v{FORMAT}-{self.fingerprint[:16]}"
+        self.directory = Path(self.limits.directory).expanduser() / f"v{FORMAT}-{self.fingerprint[:16]}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -167,8 +175,8 @@ class PromptCache:
         """Within both caps: the least recently used entries leave memory (a written one stays on disk)."""
         def over() -> bool:
             in_memory = [e for e in self.entries if e.state is not None]
-            return len(in_memory) > self.max_entries or (
-                self.max_bytes is not None and sum(e.nbytes for e in in_memory) > self.max_bytes and len(in_memory) > 1)
+            return len(in_memory) > self.limits.max_entries or (
+                self.limits.max_bytes is not None and sum(e.nbytes for e in in_memory) > self.limits.max_bytes and len(in_memory) > 1)
 
         while over():
             oldest = min((e for e in self.entries if e.state is not None), key=lambda e: e.used)
@@ -210,12 +218,12 @@ class PromptCache:
 
     def _trim_disk(self, newest: Entry) -> None:
         """The oldest files go until the folder is within its cap (the newest stays, whatever its size)."""
-        if self.max_disk_bytes is None:
+        if self.limits.max_disk_bytes is None:
             return
         files = _files(self.directory)
         total = sum(stat.st_size for _, stat in files)
         for f, stat in files:
-            if total <= self.max_disk_bytes:
+            if total <= self.limits.max_disk_bytes:
                 break
             if f == newest.path:
                 continue

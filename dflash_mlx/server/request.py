@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from ..chat_template import fold_system, has_chat_template, render
 from ..decode.generate import check_context
+from ..decode.settings import RequestSettings
 from ..decode.stops import stop_list
 from ..errors import DFlashError
 from ..sampling import Sampling
@@ -62,15 +63,17 @@ class Completion:
     # What travels to the other ranks of a sharded target: what decides the tokens.
     SHARED = ("ids", "max_tokens", "sampling", "stop", "logprobs", "processing")
 
-    def settings(self) -> dict[str, Any]:
-        """What ``stream_generate`` takes of this request: its sampling, and mlx-lm's logits processors made from
-        its settings (a logit bias's token ids are strings once they have travelled as JSON)."""
-        if not self.processing:
-            return dict(self.sampling)
-        spec = dict(self.processing)
-        if "logit_bias" in spec:
-            spec["logit_bias"] = {int(k): v for k, v in spec["logit_bias"].items()}
-        return {**self.sampling, "logits_processors": make_logits_processors(**spec)}
+    def settings(self) -> RequestSettings:
+        """What a generation takes of this request: its budget, sampling, stops, logprobs, and mlx-lm's logits
+        processors made from its settings (a logit bias's token ids are strings once they have travelled as JSON)."""
+        processors: list[Any] = []
+        if self.processing:
+            spec = dict(self.processing)
+            if "logit_bias" in spec:
+                spec["logit_bias"] = {int(k): v for k, v in spec["logit_bias"].items()}
+            processors = make_logits_processors(**spec)
+        return RequestSettings(self.max_tokens, Sampling(**self.sampling), stop_list(self.stop), self.logprobs,
+                               tuple(processors))
 
     def shared(self) -> bytes:
         return json.dumps({k: getattr(self, k) for k in self.SHARED}).encode()
