@@ -26,7 +26,8 @@ from typing import Callable
 import numpy as np
 
 from dflash_mlx.eval import replay, traces
-from dflash_mlx.decode.policy import Acceptance, AdaptiveDepth
+from dflash_mlx.decode.estimates import Acceptance
+from dflash_mlx.decode.policy import AdaptiveDepth
 from dflash_mlx.decode.repeats import Repeats
 
 

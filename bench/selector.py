@@ -187,7 +187,7 @@ class Depth:
     def plan(self, history) -> Plan:
         return Plan(self.k)
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         if drafted == self.k:
             self.seconds.append(seconds)
 

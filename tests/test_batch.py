@@ -36,7 +36,7 @@ class ByLength:
     def plan(self, history) -> Plan:
         return Plan(len(history) % 16)
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = "drafter") -> None:
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = "drafter") -> None:
         pass
 
 
@@ -169,8 +169,8 @@ def _planned(planner: BatchPlanner, cycles: int, rows: int, acceptance: float) -
         k = max(plan.depth for plan in plans)
         seconds = 0.010 + 0.001 * (rows - 1) + (0.001 * rows + 0.001 * rows * k if k else 0.0)
         accepted = [min(int(rng.geometric(1 - acceptance)) - 1, k) if acceptance else 0 for _ in policies]
-        for policy, a in zip(policies, accepted):
-            policy.observe(k, a, seconds)
+        for policy, plan, a in zip(policies, plans, accepted):
+            policy.observe(plan, k, a, seconds)
         planner.observe(k, seconds, sum(a + 1 for a in accepted))
         chosen.append(k)
     return chosen

@@ -172,7 +172,7 @@ class _Alternating:
         self.i += 1
         return Plan(3, COPY, 3) if self.i % 2 else Plan(3)
 
-    def observe(self, drafted, accepted, seconds, source="drafter") -> None:
+    def observe(self, plan, drafted, accepted, seconds, source="drafter") -> None:
         pass
 
 

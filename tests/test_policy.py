@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_mlx import generate, make_cache
-from dflash_mlx.decode.policy import COPY, DRAFTER, Acceptance, AdaptiveDepth, CycleCosts, Plan
+from dflash_mlx.decode.estimates import Acceptance, CycleCosts
+from dflash_mlx.decode.policy import COPY, DRAFTER, AdaptiveDepth, Plan
 from dflash_mlx.decode.repeats import Repeats
 
 
@@ -39,7 +40,7 @@ class World:
         so a planned copy finds nothing and the drafter's fallback runs."""
         k = drafter_depth(plan := policy.plan(history))
         accepted, seconds = self.cycle(k)
-        policy.observe(k, accepted, seconds)
+        policy.observe(plan, k, accepted, seconds)
         return plan, k, accepted, seconds
 
     def best(self, depth: int) -> int:
@@ -165,8 +166,8 @@ def test_ranks_that_time_apart_agree_on_every_depth():
             differing += plan != other
             k0 = drafter_depth(plan)
             accepted, seconds = world.cycle(k0)
-            for p in ranks:
-                p.observe(k0, accepted, seconds * clocks.uniform(0.8, 1.2))
+            for p, own in zip(ranks, (plan, other)):
+                p.observe(own, k0, accepted, seconds * clocks.uniform(0.8, 1.2))
         return differing
 
     assert lockstep(agreeing=False) > 0
@@ -248,11 +249,11 @@ class Text:
         history, made, noticed, seconds = list(prompt), 0, None, 0.0
         policy.start()
         while made < len(reply):
-            k = policy.plan(history).depth
+            k = (plan := policy.plan(history)).depth
             self.world.alpha = 0.97 if made >= looping_from + 9 else 0.05  # from the loop's second pass on
             accepted, took = self.world.cycle(k)
             accepted = min(accepted, len(reply) - made - 1)
-            policy.observe(k, accepted, took)
+            policy.observe(plan, k, accepted, took)
             if noticed is None and k >= 8 and made >= looping_from:
                 noticed = made - looping_from
             history += reply[made : made + accepted + 1]
@@ -341,10 +342,11 @@ def test_a_copy_that_wins_leaves_a_due_probe_due(ran):
     """plan() spends the drafter's due probe only where the drafter's plan runs: a copy that wins leaves it due
     (it was lost before), a planned copy that finds nothing runs the probe and spends it."""
     policy = _copies_win_drafting_does_not()
-    policy._plain_run = policy.probe_interval(1) - 1  # the next plain plan probes
+    policy.probes.plain_run = policy.probe_interval(1) - 1  # the next plain plan probes
     plan = policy.plan([])
     assert plan.source == COPY and plan.depth > 0 and plan.fallback == 1
-    policy.observe(plan.depth if ran == COPY else plan.fallback, 0 if ran == DRAFTER else plan.depth, 0.02, ran)
+    policy.observe(plan, plan.depth if ran == COPY else plan.fallback, 0 if ran == DRAFTER else plan.depth, 0.02,
+                   ran)
     policy.copies = False
     assert policy.plan([]) == (Plan(1) if ran == COPY else Plan(0))
 
@@ -361,7 +363,7 @@ def _loop(policy: AdaptiveDepth, cycles: int, spiked: int = -1) -> tuple[float, 
         took = (0.010 + (0.004 if plan.depth and not copying else 0.0) + plan.depth * 0.0005) * (20 if i == spiked
                                                                                                  else 1)
         accepted = plan.depth if copying else 0
-        policy.observe(plan.depth, accepted, took, COPY if copying else DRAFTER)
+        policy.observe(plan, plan.depth, accepted, took, COPY if copying else DRAFTER)
         for _ in range(accepted + 1):
             history.append(history[-7])
         tokens, seconds, copies = tokens + accepted + 1, seconds + took, copies + copying
@@ -388,7 +390,7 @@ def test_retried_copies_back_off_where_they_are_refused():
     for _ in range(2000):
         plan = policy.plan(history)
         copying = plan.source == COPY
-        policy.observe(plan.depth, 0, 0.010 + plan.depth * 0.004 + (0.004 if plan.depth and not copying else 0.0),
+        policy.observe(plan, plan.depth, 0, 0.010 + plan.depth * 0.004 + (0.004 if plan.depth and not copying else 0.0),
                        COPY if copying else DRAFTER)
         retried += copying
         history.append(history[-7])
@@ -408,7 +410,7 @@ def test_copies_refused_earlier_are_retried_when_the_text_starts_looping():
         copying = plan.source == COPY
         accepted = plan.depth if copying and i >= 200 else 0
         took = 0.010 + (0.004 if plan.depth and not copying else 0.0) + plan.depth * 0.0005
-        policy.observe(plan.depth, accepted, took, COPY if copying else DRAFTER)
+        policy.observe(plan, plan.depth, accepted, took, COPY if copying else DRAFTER)
         history += [history[-7]] * (accepted + 1)
         if i >= 200:
             tokens, seconds, copies = tokens + accepted + 1, seconds + took, copies + copying
@@ -431,7 +433,7 @@ class Scripted:
         self.i += 1
         return Plan(self.depths[(self.i - 1) % len(self.depths)], self.sources[(self.i - 1) % len(self.sources)])
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         self.seen.append((drafted, accepted, source))
 
 
@@ -525,7 +527,7 @@ def test_a_new_prompt_probes_into_its_reply_and_a_whole_accept_looks_further():
         policy = AdaptiveDepth(15)
         bad = World(**world, alpha=0.02, seed=seed)
         chosen = run(policy, bad, 300)
-        while not chosen[-1] or policy._follow_up:  # until just past a probe (one not accepted whole: 2% are)
+        while not chosen[-1] or policy.probes.follow_up:  # until just past a probe (one not accepted whole: 2% are)
             chosen += run(policy, bad, 1)
         interval = policy.probe_interval(1)
         assert interval > 40 and drafter_depth(policy.plan([])) == 0
@@ -576,9 +578,65 @@ def test_a_plain_step_timed_during_a_spike_does_not_price_drafting_as_free():
     policy.start()
     history, plans, quiet = list(range(50)), [], 0.002
     for i in range(400):
-        k = policy.plan(history).depth
+        k = (plan := policy.plan(history)).depth
         spiked = k == 0 and not any(d == 0 for d in plans)
-        policy.observe(k, 0, quiet * 10 if spiked else quiet * (1 + (0.3 + 0.05 * k if k else 0)))
+        policy.observe(plan, k, 0, quiet * 10 if spiked else quiet * (1 + (0.3 + 0.05 * k if k else 0)))
         plans.append(k)
         history.append(1000 + i)
     assert sum(k == 0 for k in plans[-200:]) > 190
+
+
+def _replayed(policy: AdaptiveDepth, cycles: int, extra_plans: bool) -> list[Plan]:
+    """Plans over a text that loops after a while (both sources, probes, the warm-up), each observed with its own
+    plan; with ``extra_plans`` the next cycle is also planned before each observe, as the decode loop plans a plain
+    step's successor before reading it."""
+    world, history, plans = World(plain=0.01, drafter=0.004, per_token=0.001, alpha=0.3, seed=3), list(range(40)), []
+    policy.start()
+    for i in range(cycles):
+        plan = policy.plan(history)
+        if extra_plans:
+            policy.plan(history + [7])
+            policy.plan(history[:-3])
+        k = plan.depth if plan.source == COPY and len(history) > 200 else drafter_depth(plan)
+        source = COPY if plan.source == COPY and len(history) > 200 else DRAFTER
+        accepted, seconds = world.cycle(k)
+        policy.observe(plan, k, k if source == COPY else accepted, seconds, source)
+        plans.append(plan)
+        history += [3, 1, 4, 1, 5, 9, 2, 6][: accepted + 1] if len(history) > 200 else [1000 + i] * (accepted + 1)
+    return plans
+
+
+def test_planning_changes_nothing():
+    """plan() decides and keeps nothing: a policy asked for extra plans between a plan and its outcome (as the
+    decode loop asks for a plain step's successor before reading it) decides every cycle as one asked once."""
+    once, twice = _replayed(AdaptiveDepth(15), 600, False), _replayed(AdaptiveDepth(15), 600, True)
+    assert [(p.depth, p.source, p.fallback) for p in once] == [(p.depth, p.source, p.fallback) for p in twice]
+    assert {p.source for p in once} == {COPY, DRAFTER} and len({p.depth for p in once}) > 3  # it decided things
+
+
+def test_a_batch_rows_learning_merges_into_the_shared_policy():
+    """Rows decode with copies of the shared policy; each one's acceptance joins the shared estimate when it hands
+    back (weighted by what each saw, counting as the one that saw more), not the last row's over the others'."""
+    from dflash_mlx.decode.batch import own_policy
+    from dflash_mlx.decode.cycle import Row
+
+    shared = AdaptiveDepth(15)
+    rows = [Row.__new__(Row) for _ in range(2)]
+    handbacks = []
+    for row, alpha in zip(rows, (0.9, 0.1)):
+        row.policy = shared
+        handbacks.append(own_policy(row))
+        world = World(plain=0.01, drafter=0.004, per_token=0.001, alpha=alpha, seed=1)
+        for _ in range(80):
+            plan = row.policy.plan([])
+            k = drafter_depth(plan)
+            accepted, seconds = world.cycle(k)
+            row.policy.observe(plan, k, accepted, seconds)
+    first = [p.by_repeat[0].rates()[0] for p in (rows[0].policy, rows[1].policy)]
+    for handback in handbacks:
+        handback()
+    merged = shared.by_repeat[0].rates()[0]
+    assert first[1] + 0.1 < merged < first[0] - 0.05, (first, merged)  # both rows count
+    seen = max(p.by_repeat[0].trials.sum() for p in (rows[0].policy, rows[1].policy))
+    assert shared.by_repeat[0].trials.sum() == pytest.approx(seen)  # no more certain than the row that saw most
+    assert shared.costs.ready and shared.seconds is not None  # the next request does not warm up again

@@ -166,7 +166,7 @@ def test_a_replay_under_load_prices_each_cycle_at_the_moment_it_runs():
     seen = []
 
     class Plain(FixedBlock):
-        def observe(self, drafted, accepted, seconds, source="drafter"):
+        def observe(self, plan, drafted, accepted, seconds, source="drafter"):
             seen.append(seconds)
 
     assert replay.simulate(Plain(1), [trace], profile).seconds == 6.0

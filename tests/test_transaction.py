@@ -226,7 +226,7 @@ def _interrupt_after_commit(monkeypatch, at: int) -> None:
 
     calls = {"n": 0}
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = "drafter") -> None:
+    def observe(self, plan: object, drafted: int, accepted: int, seconds: float, source: str = "drafter") -> None:
         calls["n"] += 1
         if calls["n"] >= at and accepted > 0:
             raise KeyboardInterrupt

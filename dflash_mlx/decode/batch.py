@@ -34,8 +34,9 @@ from ..errors import DFlashError
 from ..models.caches import RecurrentCache, WindowKVCache
 from ..models.target import Target
 from .cycle import Emitted, InFlight, Row, prefill
+from .estimates import CycleCosts
 from .generate import Request, keyword_settings, run, setup
-from .policy import COPY, AdaptiveDepth, CycleCosts, DraftPolicy, Plan
+from .policy import COPY, DRAFTER, AdaptiveDepth, DraftPolicy, Plan
 from .ragged import RowView, ragged_layer
 from .responses import GenerationResponse, GenerationResult
 from .transaction import DFlashCache
@@ -145,11 +146,12 @@ class BatchPlanner:
         adaptive = [i for i, policy in enumerate(policies) if isinstance(policy, AdaptiveDepth) and policy.drafter]
         if not adaptive:
             return list(plans)
-        k = self.depth([policies[i].expected(plans[i].source) for i in adaptive])
+        k = self.depth([policies[i].expected(plans[i]) for i in adaptive])
         out = list(plans)
         for i in adaptive:  # a planned copy the history does not offer falls back to the row's own drafter plan:
             fallback = min(plans[i].fallback, k) if plans[i].source == COPY else k  # k was priced on the copy
-            out[i] = Plan(k, plans[i].source, fallback) if k else Plan(0)
+            out[i] = plans[i].replace(depth=k, fallback=fallback) if k else plans[i].replace(
+                depth=0, source=DRAFTER, fallback=0)
         return out
 
 
@@ -252,7 +254,7 @@ class Batch:
         if not cycle.committed or cycle.rows != self.rows:
             return None
         plans = self._plans(ahead=1)
-        if any(plan != Plan(0) for plan in plans):
+        if not all(plan.plain for plan in plans):
             self._planned = (list(self.rows), plans)
             return None
         return self._start(plans, [(v.target_tokens, None) for v in cycle.verdicts])
@@ -321,24 +323,18 @@ class Batch:
 
 def own_policy(row: Row) -> Callable[[], None]:
     """Give ``row`` a copy of its policy, shared by the generations of its pair and settings: in a batch a row's
-    depth and copies follow its own text. The call returned hands what the row learned (the machine's costs, the
-    acceptance) back to the shared policy once the row ends, as one generation's policy carries over to the next."""
+    depth and copies follow its own text. The call returned merges what the row learned (acceptance, cycle costs,
+    what probes found) into the shared policy once the row ends, as one generation's policy carries over to the
+    next: every row's, not the last one's over the others'."""
     shared = row.policy
     row.policy = copy.deepcopy(shared)
+    merge = getattr(shared, "merge", None)  # a policy that learns nothing (FixedBlock) has nothing to merge
 
     def hand_back() -> None:
-        # Still one row's state over the others' (merging them is issue 47's step 4), but a row that has not
-        # finished measuring the cycle costs never undoes one that has: the next request would warm up again.
-        if _costs_ready(shared) and not _costs_ready(row.policy):
-            return
-        vars(shared).update(vars(row.policy))
+        if merge is not None:
+            merge(row.policy)
 
     return hand_back
-
-
-def _costs_ready(policy: Any) -> bool:
-    costs = getattr(policy, "costs", None)
-    return bool(getattr(costs, "ready", False))
 
 
 def batch_generate(

@@ -27,7 +27,7 @@ from ..errors import DFlashError
 from ..models.drafter import Drafter
 from ..models.target import Target
 from ..sampling import Proposal, Sampling, Scores, copy_proposal, position_keys, sample_rows, scores, verify
-from .policy import COPY, DRAFTER, DraftPolicy, Plan
+from .policy import COPY, DRAFTER, PLAIN, DraftPolicy, Plan
 from .settings import LogitsProcessor
 from .transaction import DFlashCache
 
@@ -57,6 +57,7 @@ class _Drafted(NamedTuple):
     absorbed: list[Any]  # drafter context states computed along (evaluated with the cycle)
     key: Optional[mx.array]  # the verdict's
     row_keys: Optional[mx.array]  # seeded match sampling: a key per block position
+    plan: Plan = PLAIN  # what the cycle was planned as: its policy settles it with the outcome
 
 
 class InFlight(NamedTuple):
@@ -68,6 +69,7 @@ class InFlight(NamedTuple):
     target_tokens: mx.array  # per block position: the target's token if the cycle stops there
     features: mx.array  # the target's features of [last ; drafts], for the drafter's next context
     scores: Optional[Scores]  # per block position, of the token the cycle emits there (asked for: logprobs)
+    plan: Plan = PLAIN  # what the cycle was planned as
 
     def arrays(self) -> list[Any]:
         """What the one read of the cycle needs evaluated."""
@@ -118,7 +120,7 @@ def verdict_of(
             kept = mx.cumprod(accept.astype(mx.int32)) > 0
             emitted = mx.concatenate([mx.where(kept, proposal.tokens, target_tokens[:-1]), target_tokens[-1:]])
         scored = scores(logits, emitted, logprobs)
-    return InFlight(proposal, drafted.source, accept, target_tokens, features, scored)
+    return InFlight(proposal, drafted.source, accept, target_tokens, features, scored, drafted.plan)
 
 
 def processed(processors: Sequence[LogitsProcessor], tokens: mx.array, start: int, logits: mx.array) -> mx.array:
@@ -260,7 +262,7 @@ class Row:
         cap = min(self.cache.block_size - 1, self.max_tokens - emitted - 1)
         room = self.cache.room()  # a block never straddles the point where the KV cache turns quantized
         cap = cap if room is None else min(cap, room - 1)
-        return plan._replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
+        return plan.replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
 
     def draft(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> _Drafted:
         """The cycle's input after ``last``; ``last_id`` is its value, None while it is still lazy (a pipelined
@@ -271,7 +273,8 @@ class Row:
             assert last_id is not None, "a copy needs the token it continues"
             copied = self.policy.repeats.continuation(self.cache.tokens, last_id, plan.depth)
         n_draft = plan.fallback if plan.source == COPY else plan.depth  # no copy offered: the drafter's plan
-        return _draft(self.target, self.drafter, self.cache, self.sampling, last, n_draft, copied, key)
+        drafted = _draft(self.target, self.drafter, self.cache, self.sampling, last, n_draft, copied, key)
+        return drafted._replace(plan=plan)
 
     def start(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> tuple[InFlight, float]:
         """Draft and verify one cycle on this row's own caches, evaluating in the background."""
@@ -304,7 +307,7 @@ class Row:
         kept = min(accepted, len(tokens))  # never an EOS draft, nor what follows it or the budget
         if not committed:
             self.cache.commit([self.last_id] + drafted[:kept], cycle.features[:, : kept + 1])
-        self.policy.observe(len(drafted), accepted, seconds, cycle.source)
+        self.policy.observe(cycle.plan, len(drafted), accepted, seconds, cycle.source)
         self.last, self.last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
         return Emitted(tokens, drafted, cycle.source, accepted, reason, self.cache.nbytes, lps, top)
 
@@ -334,7 +337,7 @@ def decode(row: Row, prompt: list[int], prefill_step_size: int, progress: Callab
                 if committed:  # a plain step: commit it now; when the next is plain too, start it now
                     cache.commit([row.last_id], cycle.features)
                     planned = row.plan(row.emitted + 1)
-                    if planned == Plan(0):
+                    if planned.plain:
                         ahead, planned = row.start(planned, cycle.target_tokens, None), None
             yield out  # the previous cycle's
             if out.reason is not None:

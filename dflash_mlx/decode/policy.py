@@ -11,38 +11,62 @@ which costs only its verify.
 
 ``FixedBlock`` always fills the block (``--block-size N``). ``AdaptiveDepth``
 (the default) picks the source and depth that maximise expected tokens per second
-from two live estimates: the acceptance of each draft position, per source (apart
-for text that repeats and text that does not), and the cost of a cycle as a
-function of its depth, both measured from the cycles as they run.
+from two live estimates (``estimates``): the acceptance of each draft position, per
+source (apart for text that repeats and text that does not), and the cost of a cycle
+as a function of its depth, both measured from the cycles as they run. Two small
+schedules decide what the estimates cannot: when to probe the drafter again while
+plain decoding wins (``ProbeSchedule``), and when to retry copies the estimates
+rule out (``CopyRetries``).
+
+Planning changes nothing: what a plan decided that its outcome settles (the probe
+schedule's next state, whether a copy was a retry) travels in the plan
+(``Plan.why``) and takes effect when ``observe`` gets the plan back with what ran.
+The decode loop plans a plain step's successor before it reads that step, so a
+policy that kept its decision to itself would settle the wrong cycle with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
-
-import numpy as np
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..distributed import from_main
 from ..errors import DFlashError
+from .estimates import Acceptance, CycleCosts, _combine
 from .repeats import Repeats
 
 AUTO, DRAFTER, COPY = "auto", "drafter", "copy"
 SOURCES = (AUTO, DRAFTER, COPY)  # what ``--draft-source`` takes: auto lets the adaptive policy choose
+COPY_STREAK = 4  # retried copies accepted whole in a row before the backoff resumes
 
 
-class Plan(NamedTuple):
+@dataclass(frozen=True)
+class Plan:
     """The next cycle: draft ``depth`` tokens (0: a plain step) from ``source``.
 
     A copy is planned before the cycle's first token is known; where the history
     then offers none, the cycle drafts ``fallback`` tokens from the drafter instead.
+    ``why`` is the policy's own record of the decision, handed back to it with the
+    outcome (not part of what the plan is: plans compare without it).
     """
 
     depth: int
     source: str = DRAFTER
     fallback: int = 0
+    why: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def plain(self) -> bool:
+        return self == PLAIN
+
+    def replace(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+
+PLAIN = Plan(0)
 
 
 class DraftPolicy(Protocol):
@@ -53,13 +77,13 @@ class DraftPolicy(Protocol):
         ...
 
     def plan(self, history: Sequence[int]) -> Plan:
-        """The next cycle, given the tokens the caches hold (the loop caps its depth)."""
+        """The next cycle, given the tokens the caches hold (the loop caps its depth); changes nothing."""
         ...
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
-        """A verified cycle: ``accepted`` of ``drafted`` tokens agreed with the target; it took ``seconds``.
-
-        ``source`` is where the drafts came from (a planned copy found nowhere ran its drafter fallback).
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+        """A verified cycle of ``plan`` (as the loop ran it): ``accepted`` of ``drafted`` tokens agreed with the
+        target; it took ``seconds``. ``source`` is where the drafts came from (a planned copy found nowhere ran
+        its drafter fallback).
         """
         ...
 
@@ -87,218 +111,141 @@ class FixedBlock:
     def plan(self, history: Sequence[int]) -> Plan:
         return Plan(self.block_size - 1, self.source)
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         pass
 
 
 @dataclass
-class Acceptance:
-    """P(draft position j is accepted | every position before it was), for j = 0..K-1, with decay.
+class ProbeSchedule:
+    """When to draft again while plain decoding wins: probe intervals from what probes found, a probe brought
+    forward by a new prompt where drafting has paid lately, a probe accepted whole followed by a deeper one.
 
-    Each cycle observes positions 0..accepted (the first rejection ends it). Counts
-    decay by ``decay`` per cycle, so a change of topic is followed within tens of
-    cycles. A position seen rarely leans on the one before it (``prior``
-    pseudo-observations; the first position on the pooled rate of all), which
-    also covers depths never drafted yet: after drafts of k accepted whole (a run
-    the drafter follows), the positions beyond k look as good as the k-th, so the
-    next draft reaches further. Leaning on the pooled rate instead, a policy
-    climbing out of plain decoding drafted 10 to 14 tokens for tens of cycles in
-    loops a full block would have taken whole.
+    ``AdaptiveDepth``'s docstring gives the reasoning and the figures; its knobs are passed through.
     """
 
-    depth: int
-    decay: float = 0.9
-    prior: float = 2.0
-    hits: np.ndarray = field(init=False)
-    trials: np.ndarray = field(init=False)
-    _expected: Optional[list[float]] = field(default=None, init=False, repr=False)
-    _fading: float = field(default=1.0, init=False, repr=False)
+    budget: float = 0.005
+    min_probe: int = 8
+    memory: float = 0.995
+    prompt_memory: float = 0.8
+    min_paid: float = 0.125
+    plain_run: int = 0  # plain cycles since the drafter last drafted
+    found: float = 0.0  # decaying sum of the gains g of the drafting runs probes started
+    waited: float = 200.0  # decaying count of plain cycles (a prior: none found in two hundred)
+    run: Optional[list[float]] = None  # the current run's [tokens, plain steps], when a probe started it
+    new_prompt: bool = False
+    prompts: float = 1.0  # decaying count of prompts (a prior: one, in which drafting paid)
+    paid: float = 1.0  # decaying count of the prompts in which a drafting cycle beat plain steps
+    paid_now: bool = False
+    follow_up: int = 0  # the depth to draft next: the last probe was accepted whole
 
-    def __post_init__(self) -> None:
-        self.hits = np.zeros(self.depth)
-        self.trials = np.zeros(self.depth)
+    def interval(self, loss: float) -> int:
+        """Plain cycles between probes that lose ``loss`` plain steps each: sqrt(2 L / found), at most what
+        ``budget`` allows."""
+        budgeted = loss / self.budget
+        found = self.found / self.waited
+        best = (2 * loss / found) ** 0.5 if found > 0 else budgeted
+        return int(max(min(best, budgeted), self.min_probe))
 
-    def fade(self, factor: float) -> None:
-        """Weigh what was seen so far by ``factor`` from the next update on, so that it counts for more.
+    def decide(self, best: int, interval: Callable[[], int]) -> tuple[int, tuple[int, bool]]:
+        """(the drafter's depth, the schedule's (plain_run, new_prompt) once that runs) when ``best`` is the
+        depth the estimates prefer; ``interval()`` prices a probe, asked only when one may be due."""
+        if best > 0:
+            return best, (0, self.new_prompt)
+        plain_run, new_prompt = self.plain_run + 1, self.new_prompt
+        if self.follow_up:  # the last probe was accepted whole: look further at once
+            return self.follow_up, (plain_run, new_prompt)
+        every = interval()
+        if new_prompt:  # the next probe a quarter interval into the reply at the latest
+            new_prompt = False
+            plain_run = max(plain_run, every - max(self.min_probe, every // 4))
+        if plain_run >= every:
+            return 1, (0, new_prompt)
+        return 0, (plain_run, new_prompt)
 
-        Applied lazily: a plain step calls this and must stay cheap.
-        """
-        self._fading *= factor
+    def start(self) -> None:
+        self.prompts = self.prompt_memory * self.prompts + 1
+        self.paid *= self.prompt_memory
+        self.paid_now = False
+        self.new_prompt = self.paid >= self.min_paid * self.prompts
 
-    def update(self, drafted: int, accepted: int) -> None:
-        self.hits *= self.decay * self._fading
-        self.trials *= self.decay * self._fading
-        self._fading = 1.0
-        seen = min(accepted + 1, drafted)
-        self.trials[:seen] += 1
-        self.hits[:accepted] += 1
-        self._expected = None
+    def plain(self) -> None:
+        """A plain cycle ran: the run a probe started, if any, has ended, and what it gained per token counts."""
+        self.waited = self.memory * self.waited + 1
+        self.found *= self.memory
+        if self.run is not None:
+            tokens, steps = self.run
+            self.found += max(0.0, 1 - steps / tokens)
+            self.run = None
 
-    def rates(self) -> np.ndarray:
-        lean = (self.hits.sum() + 1) / (self.trials.sum() + 2)  # pooled, for the first position
-        rates = np.empty(self.depth)
-        for j in range(self.depth):
-            rates[j] = lean = (self.hits[j] + self.prior * lean) / (self.trials[j] + self.prior)
-        return rates
+    def drafted(self, accepted: int, steps: float, paid: bool, started: bool) -> None:
+        """A drafting cycle ran, ``accepted`` kept in ``steps`` plain steps' time (predicted); ``paid``: more tokens
+        than plain steps would have made; ``started``: a probe that starts a run of drafting."""
+        self.new_prompt = False
+        if paid and not self.paid_now:
+            self.paid_now = True
+            self.paid += 1
+        if started:
+            self.run = [0.0, 0.0]
+        if self.run is not None:
+            self.run[0] += accepted + 1
+            self.run[1] += steps
 
-    def expected_tokens(self) -> list[float]:
-        """E[tokens of a cycle drafting k], k = 0..K: the target's own token plus the accepted run.
-
-        Kept between updates: a plain step asks for it without changing it.
-        """
-        if self._expected is None:
-            self._expected = [1.0] + (1.0 + np.cumsum(np.cumprod(self.rates()))).tolist()
-        return self._expected
-
-
-COPY_STREAK = 4  # retried copies accepted whole in a row before the backoff resumes
+    def merge(self, other: ProbeSchedule) -> None:
+        """Take in what another schedule found (a batch row's): the rates combined; its place in a reply not."""
+        rate, self.waited = _combine(self.found / self.waited, self.waited, other.found / other.waited, other.waited)
+        self.found = rate * self.waited
+        share, self.prompts = _combine(self.paid / self.prompts, self.prompts, other.paid / other.prompts,
+                                       other.prompts)
+        self.paid = share * self.prompts
 
 
 @dataclass
-class Line:
-    """Overhead of a kind of cycle over a plain step, in plain steps, as a line in its depth: fixed + k * per_token.
+class CopyRetries:
+    """When to copy although the cost model says no: where the text repeats, on a backoff (see ``due``)."""
 
-    Each depth keeps its own decaying mean of what its cycles took beyond the plain
-    estimate; the line goes through those means, each weighted by how often its depth
-    was seen (at most ``1 / (1 - decay)``). Per depth, because a long run at one depth
-    (a reply's loop at full blocks) measures only one point of the line: fitted to the
-    cycles as they come, the line would drift with the noise along the direction that
-    depth cannot see, until a one-token probe looked three plain steps dear.
-    """
-
-    decay: float = 0.95
-    fit: Optional[tuple[float, float]] = None  # (fixed, per_token), once a depth has been seen
-    _means: dict[int, list[float]] = field(default_factory=dict)  # depth -> [weight, mean overhead]
-
-    def add(self, k: int, y: float) -> None:
-        mean = self._means.setdefault(k, [0.0, 0.0])
-        mean[0] = min(self.decay * mean[0] + 1, 1 / (1 - self.decay))
-        mean[1] += (y - mean[1]) / mean[0]
-        w = sum(n for n, _ in self._means.values())
-        wk = sum(n * d for d, (n, _) in self._means.items())
-        wkk = sum(n * d * d for d, (n, _) in self._means.items())
-        wy = sum(n * m for n, m in self._means.values())
-        wky = sum(n * d * m for d, (n, m) in self._means.items())
-        det = w * wkk - wk * wk
-        if det <= 1e-12 * w * wkk:  # one depth only: its mean is all there is
-            self.fit = (max(wy / w, 0.0), 0.0)
-            return
-        fixed, per_token = (wkk * wy - wk * wky) / det, (w * wky - wk * wy) / det
-        if per_token < 0:  # the best fit with the negative parameter held at zero, not a clipped one
-            fixed, per_token = max(wy / w, 0.0), 0.0
-        elif fixed < 0:
-            fixed, per_token = 0.0, max(wky / wkk, 0.0)
-        self.fit = (fixed, per_token)
-
-    @property
-    def depths(self) -> int:
-        return len(self._means)
-
-    def through(self, per_token: float) -> tuple[float, float]:
-        """Until two depths are seen: the line with this slope through the one seen (through 0 if none)."""
-        if len(self._means) >= 2:
-            assert self.fit is not None
-            return self.fit
-        (k, (_, mean)), = self._means.items() or [(0, (0.0, 0.0))]
-        if k and mean < per_token * k:  # the line must still go through the depth seen: a dear slope (timed
-            return 0.0, mean / k  # during a spike of load) priced a copy of 15 measured at 0.75 steps at 42
-        return mean - per_token * k, per_token
-
-
-@dataclass
-class CycleCosts:
-    """Seconds of a cycle drafting k tokens: t(k) = plain * (1 + [k > 0] * (drafter + k * per_token)).
-
-    ``plain`` is a decaying mean of the plain steps; the drafting overhead (``drafter``,
-    ``per_token``, in plain steps) a ``Line``. Relative, because whatever slows the
-    machine down (another process, heat, a longer context) slows both kinds of cycle:
-    measured apart in seconds, the kind measured last would look dear. This runs every
-    cycle, the plain step of a small model included, so it is arithmetic on floats
-    rather than array calls.
-
-    A copy cycle runs no drafter: its overhead is a line of its own, measured from
-    the copy cycles alone. Until they have measured two depths, it takes the drafting
-    cycles' per-token cost (the same verify) as its slope, through the depth measured,
-    or through zero before any: a copy costs its verified tokens and nothing fixed, so
-    copies are tried, and the first measures what they cost here. (Taken flat instead,
-    one first copy of 15 priced a copy of 1 as dear and none was tried again.)
-
-    Without a drafter (``drafter`` False: a target loaded alone) only plain and copy
-    cycles run; the model is ready once a plain step is timed, and a copy's slope
-    before two copy depths are seen is zero (a copy is priced at one plain step until
-    one runs).
-    """
-
-    max_depth: int = 15
-    decay: float = 0.95
-    drafter: bool = True
-    plain: Optional[float] = None
-    drafting: Line = field(init=False)
-    copying: Line = field(init=False)
-    _plain_weight: float = 0.0
-    _early: list[tuple[int, float, bool]] = field(default_factory=list)  # cycles seen before any plain one
-    depths_seen: set[int] = field(default_factory=set)
+    min_probe: int = 8
+    wait: int = 0  # cycles until copies may be retried
+    backoff: int = 0  # the retry interval while retries lose
+    streak: int = 0  # retries accepted whole in a row
 
     def __post_init__(self) -> None:
-        self.drafting, self.copying = Line(self.decay), Line(self.decay)
+        self.backoff = self.wait = self.min_probe
 
-    def update(self, k: int, seconds: float, copy: bool = False) -> None:
-        if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
-            seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
-        if k and self.plain is not None and seconds < self.plain:
-            # A cycle that verifies k drafts costs at least a plain step: one quicker than the plain estimate shows
-            # that estimate was timed during a spike of load. Left alone, it would price every depth as one plain
-            # step, and plain steps would never run again to correct it (replayed under a recorded load: auto ran
-            # its drafter's full block wherever no copy was offered, 0.66 of copying alone).
-            self.plain = seconds
-        if not copy:
-            self.depths_seen.add(k)
-        if k == 0:
-            self._plain_weight = self.decay * self._plain_weight + 1
-            self.plain = seconds if self.plain is None else self.plain + (seconds - self.plain) / self._plain_weight
-            early, self._early = self._early, []
-            for depth, took, copied in early:
-                (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
-        elif self.plain is None:
-            self._early.append((k, seconds, copy))
+    def due(self, bucket: int) -> bool:
+        """Whether to copy although the cost model says no: the text repeats (``bucket`` > 0) and the retry is due.
+
+        On a busy machine (a browser, a build) a verify costs several plain steps and
+        one cycle timed during a spike prices copies out, before any ran or after; only
+        another copy measures them again. So copies are never ruled out by timing alone:
+        they are retried on a backoff (``min_probe`` cycles, doubling while they lose,
+        at most 256), and at once again while retries are accepted whole (up to
+        ``COPY_STREAK`` in a row), so a loop's acceptance is learnt in a few cycles.
+        Nor by their acceptance so far: copies the target refused earlier in a reply
+        say nothing of a loop it falls into later (retries stopped once that fell below
+        1.5 tokens a block, and the loop then decoded plainly to its end: replayed under
+        a recorded load, 0.29 of copying alone).
+        """
+        return bucket != 0 and self.wait <= 0
+
+    def copied(self, drafted: int, accepted: int, retried: bool) -> None:
+        """After a copy: the schedule reset by one the costs chose, moved on by a retry."""
+        if not retried:
+            self.backoff, self.wait, self.streak = self.min_probe, self.min_probe, 0
+        elif accepted == drafted and self.streak < COPY_STREAK:
+            self.wait, self.streak = 0, self.streak + 1
         else:
-            (self.copying if copy else self.drafting).add(k, seconds / self.plain - 1)
+            self.backoff = min(2 * self.backoff, 256)
+            self.wait, self.streak = self.backoff, 0
 
-    def missing(self) -> list[int]:
-        """Depths to measure before the model is determined: plain and two drafting depths (without a drafter,
-        plain alone)."""
-        if self.ready:
-            return []
-        wanted = [self.max_depth, 0, 1] if self.drafter else [0]  # a full block first: a short generation drafts
-        return [k for k in wanted if k not in self.depths_seen]
 
-    @property
-    def ready(self) -> bool:
-        return self.plain is not None and (not self.drafter or self.drafting.depths >= min(2, self.max_depth))
+@dataclass(frozen=True)
+class Decision:
+    """What ``AdaptiveDepth.plan`` decided that the cycle's outcome settles."""
 
-    @property
-    def _drafting(self) -> tuple[float, float]:
-        """The drafting line's (fixed, per_token); none without a drafter."""
-        return self.drafting.fit or (0.0, 0.0)
-
-    @property
-    def theta(self) -> Optional[list[float]]:
-        """(plain, drafter, per_token, copy fixed, copy per_token) in seconds at the current plain step, once measured."""
-        if not self.ready:
-            return None
-        return [self.plain * x for x in (1.0, *self._drafting, *self.copying.through(self._drafting[1]))]
-
-    def predict(self, k: int) -> float:
-        """Predicted seconds of a cycle drafting k."""
-        assert self.ready
-        fixed, per_token = self._drafting
-        return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
-
-    def predict_copy(self, k: int) -> float:
-        """Predicted seconds of a cycle copying k."""
-        assert self.ready
-        fixed, per_token = self.copying.through(self._drafting[1])
-        return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
+    bucket: int  # how the history repeated itself: whose acceptance the cycle updates
+    schedule: Optional[tuple[int, bool]] = None  # the probe schedule's (plain_run, new_prompt) once the drafter's
+    # plan runs (None: the drafter's plan does not move it: a warm-up, a target alone)
+    retry: bool = False  # a copy the retry schedule asked for, not the costs
 
 
 @dataclass
@@ -381,53 +328,36 @@ class AdaptiveDepth:
     by_repeat: list[Acceptance] = field(init=False)  # one per ``Repeats.bucket``
     copy_by_repeat: list[Acceptance] = field(init=False)  # the same, of copy drafts
     costs: CycleCosts = field(init=False)
+    probes: ProbeSchedule = field(init=False)
+    retries: CopyRetries = field(init=False)
     seconds: Optional[list[float]] = None  # predicted seconds of a cycle drafting k = 0..max_depth
     copy_seconds: Optional[list[float]] = None  # predicted seconds of a cycle copying k = 0..max_depth
-    _plain_run: int = 0
-    _found: float = 0.0  # decaying sum of the gains g of the drafting runs probes started
-    _waited: float = 200.0  # decaying count of plain cycles (a prior: none found in two hundred)
-    _run: Optional[list[float]] = None  # the current run's [tokens, plain steps], when a probe started it
-    _new_prompt: bool = False
-    _prompts: float = 1.0  # decaying count of prompts (a prior: one, in which drafting paid)
-    _paid: float = 1.0  # decaying count of the prompts in which a drafting cycle beat plain steps
-    _paid_now: bool = False
-    _follow_up: int = 0
     _since_agreed: int = 0
     _timed: bool = False  # whether the next cycle's seconds are its depth's (not a generation's first cycle)
-    _bucket: int = 0  # how the history repeated itself at the last decision
-    _fallback_rates: Optional[list[float]] = None  # a planned copy's: the drafter's plan, made if the copy is not
-    _copy_probe: bool = False  # the planned copy is a retry the costs did not choose
-    _copy_next: int = 0  # cycles until copies may be retried
-    _copy_backoff: int = 0  # the retry interval while retries lose
-    _copy_streak: int = 0  # retries accepted whole in a row
 
     def __post_init__(self) -> None:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.costs = CycleCosts(self.max_depth, drafter=self.drafter)
-        self._copy_backoff = self._copy_next = self.min_probe
+        self.probes = ProbeSchedule(self.probe_budget, self.min_probe, self.memory, self.prompt_memory, self.min_paid)
+        self.retries = CopyRetries(self.min_probe)
 
-    @property
-    def acceptance(self) -> Acceptance:
-        """The acceptance estimate the last decision went by (its repeat bucket's)."""
-        return self.by_repeat[self._bucket]
+    def expected(self, plan: Plan) -> list[float]:
+        """E[tokens of a cycle drafting k from the plan's source], k = 0..max_depth, where the plan was made."""
+        by_repeat = self.copy_by_repeat if plan.source == COPY else self.by_repeat
+        return by_repeat[_bucket(plan)].expected_tokens()
 
-    def expected(self, source: str) -> list[float]:
-        """E[tokens of a cycle drafting k from ``source``], k = 0..max_depth, where the last decision was made."""
-        by_repeat = self.copy_by_repeat if source == COPY else self.by_repeat
-        return by_repeat[self._bucket].expected_tokens()
-
-    def _rates(self) -> list[float]:
+    def _rates(self, bucket: int) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
         assert self.seconds is not None
         if not self.drafter:  # nothing drafts: plain steps are the drafter's plan
             return [1 / self.seconds[0]] + [0.0] * self.max_depth
-        return [e / t for e, t in zip(self.acceptance.expected_tokens(), self.seconds)]
+        return [e / t for e, t in zip(self.by_repeat[bucket].expected_tokens(), self.seconds)]
 
-    def _copy_rates(self) -> list[float]:
+    def _copy_rates(self, bucket: int) -> list[float]:
         """Expected tokens per second of a cycle copying k = 0..max_depth."""
         assert self.copy_seconds is not None
-        return [e / t for e, t in zip(self.copy_by_repeat[self._bucket].expected_tokens(), self.copy_seconds)]
+        return [e / t for e, t in zip(self.copy_by_repeat[bucket].expected_tokens(), self.copy_seconds)]
 
     def _refresh(self) -> None:
         """The predictions the next decisions use (every rank's the same, with ``agree``)."""
@@ -449,12 +379,12 @@ class AdaptiveDepth:
     def _argmax(values: list[float]) -> int:
         return max(range(len(values)), key=values.__getitem__)
 
-    def best(self) -> int:
+    def best(self, bucket: int = 0) -> int:
         """The depth with the most expected tokens per second under the current estimates."""
-        return self._argmax(self._rates()) if self.seconds is not None else self.max_depth
+        return self._argmax(self._rates(bucket)) if self.seconds is not None else self.max_depth
 
-    def probe_interval(self, depth: int) -> int:
-        """Plain cycles between probes at ``depth``: sqrt(2 L / found), at most what ``probe_budget`` allows.
+    def probe_interval(self, depth: int, bucket: int = 0) -> int:
+        """Plain cycles between probes at ``depth`` (``ProbeSchedule.interval``).
 
         A probe loses what it takes beyond the plain steps that would have made its
         expected tokens (L, in plain steps). Where drafting is nearly as good as
@@ -462,131 +392,78 @@ class AdaptiveDepth:
         and worth checking.
         """
         assert self.seconds is not None
-        plain = self.seconds[0]
-        loss = max(self.seconds[depth] / plain - self.acceptance.expected_tokens()[depth], 0.0)
-        budgeted = loss / self.probe_budget
-        found = self._found / self._waited
-        best = (2 * loss / found) ** 0.5 if found > 0 else budgeted
-        return int(max(min(best, budgeted), self.min_probe))
+        loss = max(self.seconds[depth] / self.seconds[0] - self.by_repeat[bucket].expected_tokens()[depth], 0.0)
+        return self.probes.interval(loss)
 
     def plan(self, history: Sequence[int]) -> Plan:
         if self.max_depth == 0:
-            return Plan(0)
-        self._bucket = self.repeats.bucket(history)
+            return PLAIN
+        bucket = self.repeats.bucket(history)
         if self.seconds is None:  # warm-up: a full block, a plain step, one token
-            return Plan(self.costs.missing()[0])
-        rates = self._rates()
-        schedule = (self._plain_run, self._new_prompt)
-        planned = self._plan_drafter(rates) if self.drafter else 0
+            return Plan(self.costs.missing()[0], why=Decision(bucket))
+        rates = self._rates(bucket)
+        planned, schedule = 0, None
+        if self.drafter:
+            planned, schedule = self.probes.decide(self._argmax(rates), lambda: self.probe_interval(1, bucket))
         if self.copies:
-            copying = self._copy_rates()
+            copying = self._copy_rates(bucket)
             c = self._argmax(copying)
             won = c > 0 and copying[c] > max(rates)
-            if won or self._copy_due():
-                # The drafter's plan is only the fallback: its move of the probe schedule (a due probe spent, say)
-                # waits for observe(), which makes it only if the fallback is what ran.
-                self._plain_run, self._new_prompt = schedule
-                self._fallback_rates, self._copy_probe = rates, not won
-                return Plan(c if won else self.max_depth, COPY, planned)
-        return Plan(planned)
-
-    def _copy_due(self) -> bool:
-        """Whether to copy although the cost model says no: the text repeats and the retry is due.
-
-        On a busy machine (a browser, a build) a verify costs several plain steps and
-        one cycle timed during a spike prices copies out, before any ran or after; only
-        another copy measures them again. So copies are never ruled out by timing alone:
-        they are retried on a backoff (``min_probe`` cycles, doubling while they lose,
-        at most 256), and at once again while retries are accepted whole (up to
-        ``COPY_STREAK`` in a row), so a loop's acceptance is learnt in a few cycles.
-        Nor by their acceptance so far: copies the target refused earlier in a reply
-        say nothing of a loop it falls into later (retries stopped once that fell below
-        1.5 tokens a block, and the loop then decoded plainly to its end: replayed under
-        a recorded load, 0.29 of copying alone).
-        """
-        return self._bucket != 0 and self._copy_next <= 0
-
-    def _copy_seen(self, drafted: int, accepted: int, retried: bool) -> None:
-        """The retry schedule after a copy: reset by one the costs chose, moved on by a retry."""
-        if not retried:
-            self._copy_backoff, self._copy_next, self._copy_streak = self.min_probe, self.min_probe, 0
-        elif accepted == drafted and self._copy_streak < COPY_STREAK:
-            self._copy_next, self._copy_streak = 0, self._copy_streak + 1
-        else:
-            self._copy_backoff = min(2 * self._copy_backoff, 256)
-            self._copy_next, self._copy_streak = self._copy_backoff, 0
-
-    def _plan_drafter(self, rates: list[float]) -> int:
-        """The drafter's depth: the best, or plain steps with a probe when one is due."""
-        k = self._argmax(rates)
-        if k > 0:
-            self._plain_run = 0
-            return k
-        self._plain_run += 1
-        if self._follow_up:  # the last probe was accepted whole: look further at once
-            return self._follow_up
-        interval = self.probe_interval(1)
-        if self._new_prompt:  # the next probe a quarter interval into the reply at the latest
-            self._new_prompt = False
-            self._plain_run = max(self._plain_run, interval - max(self.min_probe, interval // 4))
-        if self._plain_run >= interval:
-            self._plain_run = 0
-            return 1
-        return 0
+            if won or self.retries.due(bucket):  # the drafter's plan is the fallback, its schedule with it
+                return Plan(c if won else self.max_depth, COPY, planned, Decision(bucket, schedule, retry=not won))
+        return Plan(planned, why=Decision(bucket, schedule))
 
     def start(self) -> None:
-        self._prompts = self.prompt_memory * self._prompts + 1
-        self._paid *= self.prompt_memory
-        self._paid_now = False
-        self._new_prompt = self._paid >= self.min_paid * self._prompts
+        self.probes.start()
         self._timed = False
-        self._fallback_rates, self._copy_probe = None, False
         self.repeats.reset()
 
-    def observe(self, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = DRAFTER) -> None:
         # A generation's first cycle also pays for the buffers its prefill handed back (measured here: +15 ms
         # on a 6 ms plain step and on a 19 ms full block alike): not what its depth costs.
         timed, self._timed = self._timed, True
-        fallback, self._fallback_rates = self._fallback_rates, None
-        if fallback is not None and source != COPY:  # a planned copy found none: the drafter's plan ran
-            self._plan_drafter(fallback)
-        retried, self._copy_probe = self._copy_probe, False
-        if source != COPY:
-            self._copy_next -= 1
-        else:
-            self._copy_seen(drafted, accepted, retried)
-            self.copy_by_repeat[self._bucket].update(drafted, accepted)
+        why: Optional[Decision] = plan.why
+        bucket = _bucket(plan)
+        if source == COPY:
+            self.retries.copied(drafted, accepted, why is not None and why.retry)
+            self.copy_by_repeat[bucket].update(drafted, accepted)
             if timed:
                 self.costs.update(drafted, seconds, copy=True)
                 self._refresh()
             return
-        probing = drafted > 0 and self.seconds is not None and self.best() == 0
-        self._follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
+        self.retries.wait -= 1
+        if why is not None and why.schedule is not None:  # the drafter's plan ran: its schedule with it
+            self.probes.plain_run, self.probes.new_prompt = why.schedule
+        probing = drafted > 0 and self.seconds is not None and self.best(bucket) == 0
+        self.probes.follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
         if drafted:
-            self._new_prompt = False
-            self.acceptance.update(drafted, accepted)
+            self.by_repeat[bucket].update(drafted, accepted)
         else:
             for acceptance in self.by_repeat:
                 acceptance.fade(self.stale)
-            self._waited = self.memory * self._waited + 1
-            self._found *= self.memory
-            if self._run is not None:  # the run a probe started has ended: what it gained per token
-                tokens, steps = self._run
-                self._found += max(0.0, 1 - steps / tokens)
-                self._run = None
+            self.probes.plain()
         if timed:
             self.costs.update(drafted, seconds)
             self._refresh()
-        if drafted and self.seconds is not None and not self._paid_now:  # more tokens than plain steps in its time
-            self._paid_now = accepted + 1 > self.seconds[drafted] / self.seconds[0]
-            if self._paid_now:
-                self._paid += 1
         if drafted and self.seconds is not None:
-            if probing and self.best() > 0:
-                self._run = [0.0, 0.0]
-            if self._run is not None:
-                self._run[0] += accepted + 1
-                self._run[1] += self.seconds[drafted] / self.seconds[0]  # predicted: every rank's the same
+            steps = self.seconds[drafted] / self.seconds[0]  # predicted: every rank's the same
+            self.probes.drafted(accepted, steps, accepted + 1 > steps, probing and self.best(bucket) > 0)
+        elif drafted:
+            self.probes.new_prompt = False
+
+    def merge(self, other: AdaptiveDepth) -> None:
+        """Take in what another copy of this policy learnt (a batch row's, as it leaves): acceptance, cycle costs
+        and what probes found, combined with this one's; its place in its reply (probe and copy schedules) not."""
+        for mine, theirs in zip(self.by_repeat + self.copy_by_repeat, other.by_repeat + other.copy_by_repeat):
+            mine.merge(theirs)
+        self.costs.merge(other.costs)
+        self.probes.merge(other.probes)
+        self._refresh()
+
+
+def _bucket(plan: Plan) -> int:
+    """The repeat bucket a plan was made in (0, text that does not repeat, for a plan made elsewhere)."""
+    return plan.why.bucket if isinstance(plan.why, Decision) else 0
 
 
 _shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()

@@ -25,7 +25,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..decode.batch import BatchPlanner
-from ..decode.policy import COPY, DRAFTER, CycleCosts, DraftPolicy, FixedBlock, Plan
+from ..decode.estimates import CycleCosts
+from ..decode.policy import COPY, DRAFTER, DraftPolicy, FixedBlock, Plan
 from ..decode.repeats import Repeats
 
 
@@ -286,13 +287,14 @@ def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile,
         history = list(trace.prompt)
         p = 0  # output[p] is emitted; the target has not consumed it yet
         while p < n - 1:
-            k, a, source = _outcome(policy.plan(history), trace, p, full)
+            plan = policy.plan(history)
+            k, a, source = _outcome(plan, trace, p, full)
             context = len(history) + 1
             seconds = profile.copy_seconds(k, context) if source == COPY else profile.seconds(k, context)
             if load is not None:
                 seconds *= load.at(clock)
                 clock += seconds
-            policy.observe(k, a, seconds, source)
+            policy.observe(plan, k, a, seconds, source)
             got.seconds += seconds
             got.depths[k] += 1
             got.copies += source == COPY
@@ -346,8 +348,8 @@ def simulate_batch(make_policy: Callable[[], DraftPolicy], traces: Sequence[Trac
         cycles = [_outcome(plan, trace, at[0], full) for plan, (trace, _, _, at) in zip(plans, active)]
         context = round(sum(len(history) for _, _, history, _ in active) / len(active)) + 1
         seconds = profile.batch_seconds([(k, source) for k, _, source in cycles], context)
-        for (trace, policy, history, at), (k, a, source) in zip(active, cycles):
-            policy.observe(k, a, seconds, source)
+        for (trace, policy, history, at), plan, (k, a, source) in zip(active, plans, cycles):
+            policy.observe(plan, k, a, seconds, source)
             history.extend(trace.output[at[0] : at[0] + a + 1])
             at[0] += a + 1
         tokens = sum(a + 1 for _, a, _ in cycles)

@@ -1,0 +1,270 @@
+"""What the adaptive policy measures as it runs: the acceptance of each draft position, and what a cycle costs.
+
+Both are decaying estimates, updated every cycle, cheap enough for the plain step of a small model
+(arithmetic on floats and small arrays). Each can take in another of its kind (``merge``): a batch row
+decodes with a copy of the shared policy, and what it measured joins the shared estimates when it ends.
+Two estimates of the same quantity combine weighted by what each has seen, and the result counts as much
+as the one that saw more (``_combine``): the rows' copies share the history they started from, so their
+weights are not added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+def _combine(value: float, weight: float, other: float, other_weight: float) -> tuple[float, float]:
+    """Two estimates' weighted mean, with the larger weight."""
+    total = weight + other_weight
+    if total <= 0:
+        return value, weight
+    return (value * weight + other * other_weight) / total, max(weight, other_weight)
+
+
+@dataclass
+class Acceptance:
+    """P(draft position j is accepted | every position before it was), for j = 0..K-1, with decay.
+
+    Each cycle observes positions 0..accepted (the first rejection ends it). Counts
+    decay by ``decay`` per cycle, so a change of topic is followed within tens of
+    cycles. A position seen rarely leans on the one before it (``prior``
+    pseudo-observations; the first position on the pooled rate of all), which
+    also covers depths never drafted yet: after drafts of k accepted whole (a run
+    the drafter follows), the positions beyond k look as good as the k-th, so the
+    next draft reaches further. Leaning on the pooled rate instead, a policy
+    climbing out of plain decoding drafted 10 to 14 tokens for tens of cycles in
+    loops a full block would have taken whole.
+    """
+
+    depth: int
+    decay: float = 0.9
+    prior: float = 2.0
+    hits: np.ndarray = field(init=False)
+    trials: np.ndarray = field(init=False)
+    _expected: Optional[list[float]] = field(default=None, init=False, repr=False)
+    _fading: float = field(default=1.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.hits = np.zeros(self.depth)
+        self.trials = np.zeros(self.depth)
+
+    def fade(self, factor: float) -> None:
+        """Weigh what was seen so far by ``factor`` from the next update on, so that it counts for more.
+
+        Applied lazily: a plain step calls this and must stay cheap.
+        """
+        self._fading *= factor
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.hits *= self.decay * self._fading
+        self.trials *= self.decay * self._fading
+        self._fading = 1.0
+        seen = min(accepted + 1, drafted)
+        self.trials[:seen] += 1
+        self.hits[:accepted] += 1
+        self._expected = None
+
+    def merge(self, other: Acceptance) -> None:
+        """Take in another estimate of the same positions: pooled per position, counting as the larger."""
+        hits, trials = self.hits * self._fading, self.trials * self._fading
+        other_hits, other_trials = other.hits * other._fading, other.trials * other._fading
+        seen, other_seen = trials.sum(), other_trials.sum()
+        scale = max(seen, other_seen) / (seen + other_seen) if seen + other_seen > 0 else 1.0
+        self.hits, self.trials = (hits + other_hits) * scale, (trials + other_trials) * scale
+        self._fading, self._expected = 1.0, None
+
+    def rates(self) -> np.ndarray:
+        lean = (self.hits.sum() + 1) / (self.trials.sum() + 2)  # pooled, for the first position
+        rates = np.empty(self.depth)
+        for j in range(self.depth):
+            rates[j] = lean = (self.hits[j] + self.prior * lean) / (self.trials[j] + self.prior)
+        return rates
+
+    def expected_tokens(self) -> list[float]:
+        """E[tokens of a cycle drafting k], k = 0..K: the target's own token plus the accepted run.
+
+        Kept between updates: a plain step asks for it without changing it.
+        """
+        if self._expected is None:
+            self._expected = [1.0] + (1.0 + np.cumsum(np.cumprod(self.rates()))).tolist()
+        return self._expected
+
+
+@dataclass
+class Line:
+    """Overhead of a kind of cycle over a plain step, in plain steps, as a line in its depth: fixed + k * per_token.
+
+    Each depth keeps its own decaying mean of what its cycles took beyond the plain
+    estimate; the line goes through those means, each weighted by how often its depth
+    was seen (at most ``1 / (1 - decay)``). Per depth, because a long run at one depth
+    (a reply's loop at full blocks) measures only one point of the line: fitted to the
+    cycles as they come, the line would drift with the noise along the direction that
+    depth cannot see, until a one-token probe looked three plain steps dear.
+    """
+
+    decay: float = 0.95
+    fit: Optional[tuple[float, float]] = None  # (fixed, per_token), once a depth has been seen
+    _means: dict[int, list[float]] = field(default_factory=dict)  # depth -> [weight, mean overhead]
+
+    def add(self, k: int, y: float) -> None:
+        mean = self._means.setdefault(k, [0.0, 0.0])
+        mean[0] = min(self.decay * mean[0] + 1, 1 / (1 - self.decay))
+        mean[1] += (y - mean[1]) / mean[0]
+        self._refit()
+
+    def merge(self, other: Line) -> None:
+        """Take in another line's depths: each depth's means combined."""
+        for k, (weight, mean) in other._means.items():
+            mine = self._means.get(k, [0.0, 0.0])
+            combined, most = _combine(mine[1], mine[0], mean, weight)
+            self._means[k] = [most, combined]
+        if self._means:
+            self._refit()
+
+    def _refit(self) -> None:
+        w = sum(n for n, _ in self._means.values())
+        wk = sum(n * d for d, (n, _) in self._means.items())
+        wkk = sum(n * d * d for d, (n, _) in self._means.items())
+        wy = sum(n * m for n, m in self._means.values())
+        wky = sum(n * d * m for d, (n, m) in self._means.items())
+        det = w * wkk - wk * wk
+        if det <= 1e-12 * w * wkk:  # one depth only: its mean is all there is
+            self.fit = (max(wy / w, 0.0), 0.0)
+            return
+        fixed, per_token = (wkk * wy - wk * wky) / det, (w * wky - wk * wy) / det
+        if per_token < 0:  # the best fit with the negative parameter held at zero, not a clipped one
+            fixed, per_token = max(wy / w, 0.0), 0.0
+        elif fixed < 0:
+            fixed, per_token = 0.0, max(wky / wkk, 0.0)
+        self.fit = (fixed, per_token)
+
+    @property
+    def depths(self) -> int:
+        return len(self._means)
+
+    def through(self, per_token: float) -> tuple[float, float]:
+        """Until two depths are seen: the line with this slope through the one seen (through 0 if none)."""
+        if len(self._means) >= 2:
+            assert self.fit is not None
+            return self.fit
+        (k, (_, mean)), = self._means.items() or [(0, (0.0, 0.0))]
+        if k and mean < per_token * k:  # the line must still go through the depth seen: a dear slope (timed
+            return 0.0, mean / k  # during a spike of load) priced a copy of 15 measured at 0.75 steps at 42
+        return mean - per_token * k, per_token
+
+
+@dataclass
+class CycleCosts:
+    """Seconds of a cycle drafting k tokens: t(k) = plain * (1 + [k > 0] * (drafter + k * per_token)).
+
+    ``plain`` is a decaying mean of the plain steps; the drafting overhead (``drafter``,
+    ``per_token``, in plain steps) a ``Line``. Relative, because whatever slows the
+    machine down (another process, heat, a longer context) slows both kinds of cycle:
+    measured apart in seconds, the kind measured last would look dear. This runs every
+    cycle, the plain step of a small model included, so it is arithmetic on floats
+    rather than array calls.
+
+    A copy cycle runs no drafter: its overhead is a line of its own, measured from
+    the copy cycles alone. Until they have measured two depths, it takes the drafting
+    cycles' per-token cost (the same verify) as its slope, through the depth measured,
+    or through zero before any: a copy costs its verified tokens and nothing fixed, so
+    copies are tried, and the first measures what they cost here. (Taken flat instead,
+    one first copy of 15 priced a copy of 1 as dear and none was tried again.)
+
+    Without a drafter (``drafter`` False: a target loaded alone) only plain and copy
+    cycles run; the model is ready once a plain step is timed, and a copy's slope
+    before two copy depths are seen is zero (a copy is priced at one plain step until
+    one runs).
+    """
+
+    max_depth: int = 15
+    decay: float = 0.95
+    drafter: bool = True
+    plain: Optional[float] = None
+    drafting: Line = field(init=False)
+    copying: Line = field(init=False)
+    _plain_weight: float = 0.0
+    _early: list[tuple[int, float, bool]] = field(default_factory=list)  # cycles seen before any plain one
+    depths_seen: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.drafting, self.copying = Line(self.decay), Line(self.decay)
+
+    def update(self, k: int, seconds: float, copy: bool = False) -> None:
+        if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
+            seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
+        if k and self.plain is not None and seconds < self.plain:
+            # A cycle that verifies k drafts costs at least a plain step: one quicker than the plain estimate shows
+            # that estimate was timed during a spike of load. Left alone, it would price every depth as one plain
+            # step, and plain steps would never run again to correct it (replayed under a recorded load: auto ran
+            # its drafter's full block wherever no copy was offered, 0.66 of copying alone).
+            self.plain = seconds
+        if not copy:
+            self.depths_seen.add(k)
+        if k == 0:
+            self._plain_weight = self.decay * self._plain_weight + 1
+            self.plain = seconds if self.plain is None else self.plain + (seconds - self.plain) / self._plain_weight
+            early, self._early = self._early, []
+            for depth, took, copied in early:
+                (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
+        elif self.plain is None:
+            self._early.append((k, seconds, copy))
+        else:
+            (self.copying if copy else self.drafting).add(k, seconds / self.plain - 1)
+
+    def merge(self, other: CycleCosts) -> None:
+        """Take in another model of the same cycles: plain steps and both lines combined."""
+        if other.plain is not None:
+            if self.plain is None:
+                self.plain, self._plain_weight = other.plain, other._plain_weight
+            else:
+                self.plain, self._plain_weight = _combine(self.plain, self._plain_weight, other.plain,
+                                                          other._plain_weight)
+        self.drafting.merge(other.drafting)
+        self.copying.merge(other.copying)
+        self.depths_seen |= other.depths_seen
+        early, self._early = self._early + other._early, []
+        for depth, took, copied in early:
+            if self.plain is None:
+                self._early.append((depth, took, copied))
+            else:
+                (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
+
+    def missing(self) -> list[int]:
+        """Depths to measure before the model is determined: plain and two drafting depths (without a drafter,
+        plain alone)."""
+        if self.ready:
+            return []
+        wanted = [self.max_depth, 0, 1] if self.drafter else [0]  # a full block first: a short generation drafts
+        return [k for k in wanted if k not in self.depths_seen]
+
+    @property
+    def ready(self) -> bool:
+        return self.plain is not None and (not self.drafter or self.drafting.depths >= min(2, self.max_depth))
+
+    @property
+    def _drafting(self) -> tuple[float, float]:
+        """The drafting line's (fixed, per_token); none without a drafter."""
+        return self.drafting.fit or (0.0, 0.0)
+
+    @property
+    def theta(self) -> Optional[list[float]]:
+        """(plain, drafter, per_token, copy fixed, copy per_token) in seconds at the current plain step, once measured."""
+        if not self.ready:
+            return None
+        return [self.plain * x for x in (1.0, *self._drafting, *self.copying.through(self._drafting[1]))]
+
+    def predict(self, k: int) -> float:
+        """Predicted seconds of a cycle drafting k."""
+        assert self.ready
+        fixed, per_token = self._drafting
+        return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
+
+    def predict_copy(self, k: int) -> float:
+        """Predicted seconds of a cycle copying k."""
+        assert self.ready
+        fixed, per_token = self.copying.through(self._drafting[1])
+        return max(self.plain * (1 + (fixed + per_token * k if k else 0.0)), 1e-9)
