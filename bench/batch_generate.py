@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 from mlx_lm.generate import batch_generate as mlx_lm_batch_generate  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx.decode.batch import batch_generate  # noqa: E402
+from dflash_mlx.decode.generate import batch_generate  # noqa: E402
 
 
 def main() -> None:

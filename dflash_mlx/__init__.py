@@ -8,8 +8,7 @@ before it (``tests/test_layers.py`` checks).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .decode.batch import batch_generate
-from .decode.generate import generate, stream_generate
+from .decode.generate import batch_generate, generate, stream_generate
 from .decode.responses import GenerationResponse, GenerationResult
 from .decode.transaction import DFlashCache, make_cache
 from .errors import DFlashError

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError, generate, load
 from dflash_mlx.cli.main import app
-from dflash_mlx.decode.batch import batch_generate
+from dflash_mlx.decode.generate import batch_generate
 from dflash_mlx.models.drafter import NoDrafter
 
 PROMPT = "def fibonacci(n):\n    return"

@@ -11,9 +11,9 @@ from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
 from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
-from dflash_mlx.decode.batch import Batch, batch_generate
+from dflash_mlx.decode.batch import Batch
 from dflash_mlx.decode.cycle import prefill
-from dflash_mlx.decode.generate import keyword_settings, setup
+from dflash_mlx.decode.generate import batch_generate, keyword_settings, setup
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.caches import RecurrentCache, trim_to
 

@@ -10,9 +10,9 @@ from helpers import plain_greedy
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, generate, load, stream_generate
-from dflash_mlx.decode.batch import Batch, BatchPlanner, batch_generate
+from dflash_mlx.decode.batch import Batch, BatchPlanner
 from dflash_mlx.decode.cycle import prefill
-from dflash_mlx.decode.generate import keyword_settings, setup
+from dflash_mlx.decode.generate import batch_generate, keyword_settings, setup
 from dflash_mlx.decode.policy import COPY, AdaptiveDepth, Plan
 from dflash_mlx.decode.ragged import RaggedKVCache
 from dflash_mlx.decode.repeats import Repeats

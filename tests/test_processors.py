@@ -10,7 +10,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import generate
-from dflash_mlx.decode.batch import batch_generate
+from dflash_mlx.decode.generate import batch_generate
 
 SETTINGS = {
     "repetition": dict(repetition_penalty=1.3, repetition_context_size=3),

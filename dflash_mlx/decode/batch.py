@@ -29,16 +29,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from ..chat_template import Prompt
 from ..errors import DFlashError
 from ..models.caches import RecurrentCache, WindowKVCache
 from ..models.target import Target
-from .cycle import Emitted, InFlight, Row, prefill
+from .cycle import Emitted, InFlight, Row
 from .estimates import CycleCosts
-from .generate import Request, keyword_settings, run, setup
-from .policy import COPY, DRAFTER, AdaptiveDepth, DraftPolicy, Plan
+from .policy import COPY, DRAFTER, AdaptiveDepth, Plan
 from .ragged import RowView, ragged_layer
-from .responses import GenerationResponse, GenerationResult
 from .transaction import DFlashCache
 
 SOLO = {"full": KVCache, "sliding": WindowKVCache, "linear": RecurrentCache}  # a layer's cache alone, by kind
@@ -179,11 +176,15 @@ class BatchCycle:
 
 
 class Batch:
-    """Rows decoding together on one target: join after the prefill, a cycle for all, leave with plain caches."""
+    """Rows decoding together on one target: join after the prefill, a cycle for all, leave with plain caches.
 
-    def __init__(self, target: Target, planner: Optional[BatchPlanner] = None) -> None:
-        self.target = target
-        self.layers = [ragged_layer(kind, target.sliding_window) for kind in target.kinds]
+    ``alone``: one row on its own caches, whatever they are (a window, a quantized cache, a sharded target): the
+    solo loop, and a server that does not batch. Its cycles are the row's own, built as a batch's are.
+    """
+
+    def __init__(self, target: Target, planner: Optional[BatchPlanner] = None, alone: bool = False) -> None:
+        self.target, self.alone = target, alone
+        self.layers = [] if alone else [ragged_layer(kind, target.sliding_window) for kind in target.kinds]
         self.rows: list[Row] = []
         self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
         self.planner = BatchPlanner() if planner is None else planner
@@ -205,6 +206,11 @@ class Batch:
 
     def join(self, row: Row) -> None:
         """Take in a row that has its first token: its target layers move into the batch."""
+        if self.alone:
+            if self.rows:
+                raise ValueError("a row alone decodes alone: this batch has one already")
+            self._places, self.rows = {id(row): 0}, [row]
+            return
         odd = next((c for c, kind in zip(row.cache.target, self.target.kinds) if type(c) is not SOLO[kind]), None)
         if odd is not None:  # checked before any layer moves: a refused row keeps its caches
             raise ValueError(f"a batch takes its target's own caches, not a {type(odd).__name__}")
@@ -217,6 +223,9 @@ class Batch:
     def leave(self, row: Row) -> None:
         """Give a row its target layers back as the caches it had alone (what it committed); drop it from the batch."""
         i = self.index(row)
+        if self.alone:
+            self._places, self.rows = {}, []
+            return
         row.cache.target = [layer.pop(i) for layer in self.layers]
         del self.rows[i]
         self._places = {id(r): j for j, r in enumerate(self.rows)}
@@ -264,8 +273,11 @@ class Batch:
         with mx.stream(generation_stream):
             drafted = [row.draft(plan, last, last_id) for row, plan, (last, last_id) in zip(self.rows, plans, inputs)]
             n = max(d.block.shape[0] for d in drafted)
-            blocks = mx.stack([mx.pad(d.block, (0, n - d.block.shape[0])) for d in drafted])
-            logits, features = self.target(blocks, self.layers)
+            if self.alone:
+                logits, features = self.target(drafted[0].block[None], self.rows[0].cache.target)
+            else:
+                blocks = mx.stack([mx.pad(d.block, (0, n - d.block.shape[0])) for d in drafted])
+                logits, features = self.target(blocks, self.layers)
             cycles = [
                 row.verdict(d, logits[i, : d.block.shape[0]], features[i : i + 1, : d.block.shape[0]])
                 for i, (row, d) in enumerate(zip(self.rows, drafted))
@@ -335,70 +347,3 @@ def own_policy(row: Row) -> Callable[[], None]:
             merge(row.policy)
 
     return hand_back
-
-
-def batch_generate(
-    target: Target, drafter: Any, tokenizer: Any, prompts: Sequence[Prompt], *, policy: Optional[DraftPolicy] = None,
-    **settings: Any,
-) -> list[GenerationResult]:
-    """Decode ``prompts`` together, one row each, with :func:`stream_generate`'s settings (``cache`` aside); a
-    ``policy`` is shared by the rows as by successive generations.
-
-    Each row's output is what it would be alone: at temperature 0 the target's own
-    greedy decoding. Prompts are prefilled one after another and join the batch with
-    their first token; a row leaves at its end. Where the target or the settings do
-    not batch (``Batch.fits``), the rows run one after another.
-    """
-    for name, what in (("cache", "a cache"), ("prompt_progress_callback", "a prefill")):
-        if name in settings:
-            raise DFlashError(f"batch_generate gives each prompt {what} of its own: {name}= is not taken")
-    decoding, asked = keyword_settings(**settings)
-    requests = [setup(target, drafter, tokenizer, prompt, decoding, asked, policy=policy) for prompt in prompts]
-    if not requests:
-        return []
-    if not Batch.fits(target, requests[0].row.cache):
-        return [_run_alone(target, r) for r in requests]
-    handbacks = [own_policy(request.row) for request in requests]
-    seen: dict[int, list[GenerationResponse]] = {id(r.row): [] for r in requests}
-    by_row = {id(r.row): r for r in requests}
-    batch = Batch(target, batch_planner(target, drafter))
-
-    def answered(request: Request, cycle: Emitted) -> bool:
-        response = request.responder.respond(cycle)
-        seen[id(request.row)].append(response)
-        return response.finish_reason is not None
-
-    try:
-        for request in requests:
-            row = request.row
-            row.policy.start()
-            logits = prefill(target, drafter, row.cache, request.ids[request.reused :], request.prefill_step_size,
-                              lambda done, total: None)
-            if not answered(request, row.first(logits)):
-                batch.join(row)
-        cycle, ended = (batch.start() if batch.rows else None), []
-        while cycle is not None:  # a plain cycle's successor starts before it is read, as the solo loop's does
-            ahead = None if ended else batch.follow(cycle)
-            out = batch.finish(cycle, ended, then=ahead)
-            for row in ended:
-                batch.leave(row)
-            ended = [row for row, e in zip(cycle.rows, out) if e is not None and answered(by_row[id(row)], e)]
-            if ahead is None:
-                for row in ended:
-                    batch.leave(row)
-                cycle, ended = (batch.start() if batch.rows else None), []
-            else:
-                cycle = ahead
-    finally:
-        for row in list(batch.rows):
-            batch.leave(row)
-        for request, handback in zip(requests, handbacks):
-            if request.row.cache.holds_lease(request.row.lease):
-                request.row.cache.abandon()
-            handback()
-        mx.clear_cache()
-    return [GenerationResult.from_responses(seen[id(r.row)]) for r in requests]
-
-
-def _run_alone(target: Target, request: Request) -> GenerationResult:
-    return GenerationResult.from_responses(list(run(request, target)))

@@ -276,16 +276,6 @@ class Row:
         drafted = _draft(self.target, self.drafter, self.cache, self.sampling, last, n_draft, copied, key)
         return drafted._replace(plan=plan)
 
-    def start(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> tuple[InFlight, float]:
-        """Draft and verify one cycle on this row's own caches, evaluating in the background."""
-        started = time.perf_counter()
-        with mx.stream(generation_stream):
-            drafted = self.draft(plan, last, last_id)
-            logits, features = self.target(drafted.block[None], self.cache.target)
-            cycle = self.verdict(drafted, logits[0], features)
-        mx.async_eval(cycle.arrays(), drafted.absorbed)
-        return cycle, started
-
     def verdict(self, drafted: _Drafted, logits: mx.array, features: mx.array) -> InFlight:
         """The target's verdict on this row's drafted block from its logits [n, V], through the row's processors."""
         if self.processors:
@@ -310,42 +300,6 @@ class Row:
         self.policy.observe(cycle.plan, len(drafted), accepted, seconds, cycle.source)
         self.last, self.last_id = cycle.target_tokens[accepted : accepted + 1], target_tokens[accepted]
         return Emitted(tokens, drafted, cycle.source, accepted, reason, self.cache.nbytes, lps, top)
-
-
-def decode(row: Row, prompt: list[int], prefill_step_size: int, progress: Callable[[int, int], None]
-            ) -> Iterator[Emitted]:
-    """Prefill, then draft-verify-commit cycles; yield each verified cycle's tokens.
-
-    The next cycle is started before the previous one's tokens are yielded, so the
-    caller's work overlaps the device's. A cycle that drafts nothing (a plain step)
-    keeps its one input token whatever the device answers, so it commits at once
-    and the cycle after it starts before it is read, as mlx-lm pipelines its plain
-    steps. However the caller leaves (a break, ``close()``, an exception, Ctrl-C),
-    the cycles in flight are abandoned and the cache holds the committed history:
-    the prompt and the emitted tokens, except possibly the last one, which the
-    target has not consumed yet.
-    """
-    cache = row.cache
-    row.policy.start()
-    try:
-        out = row.first(prefill(row.target, row.drafter, cache, prompt, prefill_step_size, progress))
-        ahead, planned, row.read_at = None, None, time.perf_counter()
-        while True:
-            if out.reason is None:
-                (cycle, started), ahead = ahead or row.start(planned or row.plan(), row.last, row.last_id), None
-                planned, committed = None, cycle.proposal is None and row.emitted + 1 < row.max_tokens
-                if committed:  # a plain step: commit it now; when the next is plain too, start it now
-                    cache.commit([row.last_id], cycle.features)
-                    planned = row.plan(row.emitted + 1)
-                    if planned.plain:
-                        ahead, planned = row.start(planned, cycle.target_tokens, None), None
-            yield out  # the previous cycle's
-            if out.reason is not None:
-                return
-            out = row.finish(cycle, started, committed)
-    finally:
-        if cache.holds_lease(row.lease):
-            cache.abandon()
 
 
 def _first_token(

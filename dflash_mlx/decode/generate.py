@@ -25,9 +25,11 @@ from ..models.caches import KVQuantization
 from ..models.drafter import Drafter, NoDrafter
 from ..models.target import Target
 from ..sampling import Sampling
-from .cycle import Emitted, Row, decode
+from .batch import Batch, batch_planner, own_policy
+from .cycle import Emitted, Row, prefill
 from .policy import AUTO, COPY, DRAFTER, DraftPolicy, FixedBlock, adaptive_policy
 from .responses import GenerationResponse, GenerationResult
+from .scheduler import Scheduler, decode
 from .settings import CacheLayout, DecodeSettings, LogitsProcessor, RequestSettings
 from .stops import StopStrings, stop_list
 from .transaction import DFlashCache
@@ -377,3 +379,57 @@ def generate(
             on_response(response)
         responses.append(response)
     return GenerationResult.from_responses(responses)
+
+
+def batch_generate(
+    target: Target, drafter: Any, tokenizer: Any, prompts: Sequence[Prompt], *, policy: Optional[DraftPolicy] = None,
+    **settings: Any,
+) -> list[GenerationResult]:
+    """Decode ``prompts`` together, one row each, with :func:`stream_generate`'s settings (``cache`` aside); a
+    ``policy`` is shared by the rows as by successive generations.
+
+    Each row's output is what it would be alone: at temperature 0 the target's own
+    greedy decoding. Prompts are prefilled one after another and join the batch with
+    their first token; a row leaves at its end. Where the target or the settings do
+    not batch (``Batch.fits``), the rows run one after another.
+    """
+    for name, what in (("cache", "a cache"), ("prompt_progress_callback", "a prefill")):
+        if name in settings:
+            raise DFlashError(f"batch_generate gives each prompt {what} of its own: {name}= is not taken")
+    decoding, asked = keyword_settings(**settings)
+    requests = [setup(target, drafter, tokenizer, prompt, decoding, asked, policy=policy) for prompt in prompts]
+    if not requests:
+        return []
+    if not Batch.fits(target, requests[0].row.cache):
+        return [GenerationResult.from_responses(list(run(r, target))) for r in requests]
+    handbacks = [own_policy(request.row) for request in requests]
+    seen: dict[int, list[GenerationResponse]] = {id(r.row): [] for r in requests}
+    by_row = {id(r.row): r for r in requests}
+    scheduler = Scheduler(Batch(target, batch_planner(target, drafter)))
+
+    def answered(request: Request, cycle: Emitted) -> bool:
+        response = request.responder.respond(cycle)
+        seen[id(request.row)].append(response)
+        return response.finish_reason is not None
+
+    try:
+        for request in requests:
+            row = request.row
+            row.policy.start()
+            logits = prefill(target, drafter, row.cache, request.ids[request.reused :], request.prefill_step_size,
+                             lambda done, total: None)
+            if not answered(request, row.first(logits)):
+                scheduler.add(row)
+        while scheduler.rows:  # a row that ends leaves; the others' next cycle may have started before it is read
+            scheduler.advance()
+            for row, emitted in scheduler.read():
+                if answered(by_row[id(row)], emitted):
+                    scheduler.drop(row)
+    finally:
+        scheduler.close()
+        for request, handback in zip(requests, handbacks):
+            if request.row.cache.holds_lease(request.row.lease):
+                request.row.cache.abandon()
+            handback()
+        mx.clear_cache()
+    return [GenerationResult.from_responses(seen[id(r.row)]) for r in requests]
