@@ -147,10 +147,12 @@ class PromptCache:
                 _touch(entry.path)
             return
 
-    def prompt_done(self) -> None:
-        """The prompt is prefilled: an entry here, where a window or a recurrent state could not go back to."""
-        if not self.cache.rewindable:
-            self.keep()
+    def prompt_done(self, cache: Optional[DFlashCache] = None) -> None:
+        """The prompt is prefilled in ``cache`` (the server's one by default): an entry here, where a window or a
+        recurrent state could not go back to."""
+        cache = self.cache if cache is None else cache
+        if not cache.rewindable:
+            self.keep(cache)
 
     def keep(self, cache: Optional[DFlashCache] = None) -> None:
         """Take what ``cache`` (the server's one by default) holds now as an entry (the newest); write it to disk in

@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import anthropic_api, openai_api
-from .engine import Engine, Job
+from .engine import Engine
+from .jobs import Job
 from .request import APIError, Dialect, read_body, sse
 
 log = logging.getLogger("dflash_mlx.serve")

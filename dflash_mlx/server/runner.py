@@ -1,64 +1,73 @@
-"""Continuous batching: requests join and leave a running batch between its cycles.
+"""The engine's one loop: requests in arrival order, up to ``max_batch`` of them decoding together.
 
-The engine's loop when more than one request may run at once (``serve --max-batch N``,
-N > 1) and the target batches (``Batch.fits``). Each turn it takes in waiting requests
-while there is room, runs one prefill chunk (of the prefill with the least left, so a
-short request behind a long prompt starts at once, and a long prompt holds up the
-running streams by one chunk per turn at most), then one cycle of every decoding row:
-each row drafts on its own, the target verifies all rows in one pass. A row joins with
-its first token and leaves at its end, when its client leaves, or on an error; its
-caches then go to the prompt cache as a solo request's do.
-Every row decodes exactly as it would alone.
+Each turn reads the cycle in flight, lets the rows go that ended or whose client left, takes in
+waiting requests while there is room, runs one prefill chunk (of the prefill with the least left,
+so a short request behind a long prompt starts at once, and a long prompt holds up the running
+streams by one chunk per turn at most), starts the next cycle, and only then answers the cycle it
+read, while the device computes the next (``Scheduler``). A row joins with its first token and
+leaves at its end, when its client leaves, or on an error; its caches then go to the prompt cache.
+
+One request at a time (``--max-batch 1``, a target or settings that do not batch, a sharded
+target) decodes alone on the engine's own caches, which still hold its conversation when the next
+request continues it; rows of a batch decode in caches of their own, which the prompt cache fills.
+Every row decodes exactly as it would alone. A sharded target's ranks run the same turns: rank 0
+hands each request over and says when its client left, so that every rank runs the same passes.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from ..decode.batch import Batch, BatchCycle, batch_planner, own_policy
+from ..decode.batch import Batch, batch_planner, own_policy
 from ..decode.cycle import Emitted, prefill_steps
-from ..decode.generate import Request, setup
-from ..decode.responses import GenerationResponse, GenerationResult
+from ..decode.generate import setup
+from ..decode.responses import GenerationResult
+from ..decode.scheduler import Scheduler
+from ..decode.settings import DecodeSettings
 from ..decode.transaction import DFlashCache
-from ..errors import DFlashError
-from .engine import Engine, Job, failure, figures
-from .request import APIError
+from ..distributed import from_main, from_main_bytes
+from .jobs import Active, Job, failure, figures
+from .metrics import Metrics
+from .prompt_cache import PromptCache
+from .request import APIError, Completion
 
 log = logging.getLogger("dflash_mlx.serve")
 
 
-@dataclass(eq=False)
-class Active:
-    """A request the runner has taken: prefilling (``steps``) or decoding in the batch."""
+class Host(Protocol):
+    """What the runner reads of the engine."""
 
-    job: Job
-    request: Request
-    started: float
-    steps: Optional[Iterator[Optional[mx.array]]]  # the prefill's chunks; None once the row decodes
-    left: int = 0  # prompt tokens still to prefill
-    handback: Callable[[], None] = lambda: None  # what the row's policy learned, back to the shared one
-    seen: list[GenerationResponse] = field(default_factory=list)
-    ttft: float = 0.0
+    target: Any
+    drafter: Any
+    tokenizer: Any
+    decoding: DecodeSettings
+    store: PromptCache
+    jobs: queue.Queue[Job]
+    metrics: Metrics
+    max_batch: int
+    cancelled: int
 
 
-class BatchRunner:
-    """Runs the engine's queue with up to ``engine.max_batch`` requests decoding together."""
+class Runner:
+    """Runs the engine's queue (rank 0, or the only process), or follows rank 0's (the other ranks)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Host) -> None:
         self.engine = engine
-        self.batch = Batch(engine.target, batch_planner(engine.target, engine.drafter))
+        self.alone = engine.max_batch == 1
+        batch = Batch(engine.target, batch_planner(engine.target, engine.drafter), alone=self.alone)
+        self.scheduler = Scheduler(batch)
+        self.group = engine.target.group
         self.active: list[Active] = []
-        self.flight: Optional[BatchCycle] = None  # the cycle the device is computing
         self.leaving: list[tuple[Active, bool]] = []  # rows in flight that end (cancelled or not) once it is read
+        self.left: set[int] = set()  # id() of the requests whose client left, as of this turn (rank 0's word)
 
     def run(self, serving: Callable[[], bool]) -> None:
+        """Answer queued requests while ``serving()`` holds; with a sharded target, tell the other ranks to stop."""
         with wired_limit(self.engine.target.model, [generation_stream]):
             try:
                 while serving():
@@ -68,116 +77,149 @@ class BatchRunner:
                     a.job.report("error", APIError(503, "the server is shutting down", kind="server_error"))
                     self._finish(a, reported=True)
                 raise
+            finally:
+                self._mirror(None)
 
-    def _turn(self) -> None:
-        """Read the cycle in flight; rows that ended leave, waiting requests come in (a prefill chunk, a join); start
-        the next cycle; then answer the cycle read while the device computes the next, as the solo loop does. While
-        the batch decodes plainly and nobody joins or leaves, the next cycle starts before the one in flight is read
-        (``Batch.follow``), as the solo loop pipelines its plain steps."""
-        ahead = self._ahead()
-        read = self._read(ahead)
+    def follow(self) -> None:
+        """Ranks > 0 of a sharded target: run the requests rank 0 hands over, in its turns, until it stops."""
+        with wired_limit(self.engine.target.model, [generation_stream]):
+            while self._turn(following=True):
+                pass
+
+    def describe(self) -> dict[str, Any]:
+        """What /health shows of the batch (one request at a time: its size alone)."""
+        if self.alone:
+            return {"max": 1}
+        return {"max": self.engine.max_batch, "decoding": len(self.scheduler.rows),
+                "prefilling": sum(a.steps is not None for a in self.active)}
+
+    def _turn(self, following: bool = False) -> bool:
+        """One turn (see the module); False when a follower is told to stop."""
+        self._agree_who_left()
+        self.scheduler.advance(follow=self._may_follow())
+        read = self._read()
         for a, cycle in [(a, c) for a, c in read if c.reason is not None]:  # EOS or budget: known before the start
-            self._answer(a, cycle)
+            a.answer(cycle)
             self._end(a, cancelled=False)
         read = [(a, c) for a, c in read if c.reason is None]
-        for a in [a for a in self.active if a.job.cancelled.is_set() and all(a is not b for b, _ in read)]:
+        for a in [a for a in self.active if id(a) in self.left and all(a is not b for b, _ in read)]:
             self._end(a, cancelled=True)
-        if self.flight is None:  # rows join only between cycles
-            self._admit()
+        if self.scheduler.idle:  # rows join only between cycles
+            if not self._admit(following):
+                return False
             self._prefill_one()
-            if self.batch.rows:
-                self.engine.metrics.batch.set(len(self.batch))
+            if self.scheduler.rows:
+                self.engine.metrics.batch.set(len(self.scheduler.rows))
                 try:
-                    self.flight = self.batch.start()
+                    self.scheduler.advance(follow=False)
                 except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
                     self._fail_decoding(e)
         for a, cycle in read:
-            if self._answer(a, cycle) or a.job.cancelled.is_set():  # a stop string, or the client left
-                self._end(a, cancelled=not a.seen[-1].finish_reason)
+            if a.answer(cycle) or id(a) in self.left:  # a stop string, or the client left
+                self._end(a, cancelled=not a.finished)
+        return True
 
-    def _ahead(self) -> Optional[BatchCycle]:
-        """The cycle after the one in flight, started before it is read, when nothing waits to join or leave."""
-        if self.flight is None or self.leaving or not self.engine.jobs.empty():
-            return None
-        if any(a.steps is not None or a.job.cancelled.is_set() for a in self.active):
-            return None
-        try:
-            return self.batch.follow(self.flight)
-        except Exception as e:  # noqa: BLE001
-            self._fail_decoding(e)
-            return None
+    def _agree_who_left(self) -> None:
+        """Whose client left, once per turn: with a sharded target rank 0's word, so that every rank stops it at
+        the same cycle."""
+        gone = [id(a) for a in self.active if a.job.cancelled.is_set()]
+        if self.group is not None and self.active:
+            flags = from_main([float(a.job.cancelled.is_set()) for a in self.active], self.group)
+            gone = [id(a) for a, flag in zip(self.active, flags) if flag > 0]
+        self.left = set(gone)
 
-    def _read(self, ahead: Optional[BatchCycle] = None) -> list[tuple[Active, Emitted]]:
-        """The cycle in flight, read and committed (rows that ended meanwhile: undone, and gone); ``ahead`` (started
-        after it) is in flight next."""
-        if self.flight is None:
-            return []
-        flight, self.flight = self.flight, None
+    def _may_follow(self) -> bool:
+        """Whether the next cycle may start before this one is read: nobody waits to join, prefills or leaves."""
+        room = len(self.active) < self.engine.max_batch
+        if (room and not self.engine.jobs.empty()) or self.leaving or self.left:
+            return False
+        return all(a.steps is None for a in self.active)
+
+    def _read(self) -> list[tuple[Active, Emitted]]:
+        """The cycle in flight, read and committed (rows that ended meanwhile: undone, and gone)."""
         leaving, self.leaving = self.leaving, []
         try:
-            cycles = self.batch.finish(flight, [a.request.row for a, _ in leaving], then=ahead)
-        except Exception as e:  # noqa: BLE001
+            read = self.scheduler.read()
+        except Exception as e:  # noqa: BLE001 (every decoding row fails, the leaving ones with them)
             self._fail_decoding(e)
             return []
-        self.flight = ahead
         for a, cancelled in leaving:
             self._finish(a, cancelled=cancelled)
         by_row = {id(a.request.row): a for a in self.active}
-        return [(by_row[id(row)], c) for row, c in zip(flight.rows, cycles) if c is not None]
+        return [(by_row[id(row)], e) for row, e in read]
 
     def _end(self, a: Active, cancelled: bool) -> None:
         """A decoding row ends: at once, or once the cycle it is in flight in is read."""
-        if self.flight is not None and any(a.request.row is r for r in self.flight.rows):
+        if any(a.request.row is r for r in self.scheduler.rows) and not self.scheduler.drop(a.request.row):
             self.leaving.append((a, cancelled))
         else:
             self._finish(a, cancelled=cancelled)
 
     def _fail_decoding(self, e: Exception) -> None:
-        self.flight, self.leaving = None, []
+        self.leaving = []
         for a in [a for a in self.active if a.steps is None]:
             a.job.report("error", failure(e))
             self._finish(a, reported=True)
+        self.scheduler.close()
 
-    def describe(self) -> dict[str, Any]:
-        """What /health shows of the batch."""
-        return {"max": self.engine.max_batch, "decoding": len(self.batch),
-                "prefilling": sum(a.steps is not None for a in self.active)}
-
-    def _admit(self) -> None:
-        """Take waiting requests while there is room (waiting a little for one when nothing runs)."""
+    def _admit(self, following: bool) -> bool:
+        """Take waiting requests while there is room (waiting a little for one when nothing runs); False when a
+        follower is told to stop."""
         while len(self.active) < self.engine.max_batch:
+            if following:  # rank 0's next request, handed over once it has room for it
+                if self.active:
+                    return True
+                completion = self._mirror(None)
+                if completion is None:
+                    return False
+                self._take(Job(completion, None))
+                continue
             try:
                 job = self.engine.jobs.get(timeout=0.1) if not self.active else self.engine.jobs.get_nowait()
             except queue.Empty:
-                return
+                return True
             if job.cancelled.is_set():
                 self.engine.cancelled += 1
                 job.report("done", None)
                 continue
+            self._mirror(job.completion)
             self._take(job)
+            if self.group is not None:
+                return True  # a sharded target takes one request at a time
+        return True
+
+    def _mirror(self, completion: Optional[Completion]) -> Optional[Completion]:
+        """Rank 0's next request (None: stop), on every rank of a sharded target; a no-op on one machine. Only what
+        decides the tokens travels (``Completion.SHARED``)."""
+        if self.group is None:
+            return completion
+        received = from_main_bytes(b"" if completion is None else completion.shared(), self.group)
+        return Completion.from_shared(received) if received else None
 
     def _take(self, job: Job) -> None:
+        """A request begins: its caches (the engine's own when alone) take what the prompt cache holds of its
+        prompt, its settings are checked, its client hears how much of the prompt was cached."""
         engine, c = self.engine, job.completion
-        cache = DFlashCache.empty(engine.target, engine.drafter, engine.decoding.layout)
-        engine.store.prepare(c.ids, cache)
+        cache = engine.store.cache if self.alone else DFlashCache.empty(engine.target, engine.drafter,
+                                                                        engine.decoding.layout)
         try:
+            engine.store.prepare(c.ids, cache)
             request = setup(engine.target, engine.drafter, engine.tokenizer, c.ids, engine.decoding, c.settings(),
                             cache=cache)
-        except DFlashError as e:
-            job.report("error", APIError(400, str(e)))
+        except Exception as e:  # noqa: BLE001 (this request fails; the others go on)
+            job.report("error", failure(e))
             return
         row = request.row
-        handback = own_policy(row)
+        handback = (lambda: None) if self.alone else own_policy(row)  # alone, the shared policy itself learns
         row.policy.start()
         job.report("start", {"prompt_tokens": len(c.ids), "cached_tokens": request.reused})
         steps = prefill_steps(engine.target, engine.drafter, cache, request.ids[request.reused :],
                               request.prefill_step_size, lambda done, total: None)
-        self.active.append(Active(job, request, time.perf_counter(), steps, len(request.ids) - request.reused,
-                                  handback))
+        self.active.append(Active(job, request, steps, len(request.ids) - request.reused, handback))
 
     def _prefill_one(self) -> None:
-        """One chunk of the prefill with the least left (a short request that joins behind a long prompt starts at
-        once); a prefill that ends gives its row the first token and a place in the batch."""
+        """One chunk of the prefill with the least left; a prefill that ends gives its row the first token and a
+        place among the decoding rows."""
         prefilling = [a for a in self.active if a.steps is not None]
         if not prefilling:
             return
@@ -188,8 +230,9 @@ class BatchRunner:
             if logits is None:
                 return
             a.steps = None
-            if not self._answer(a, a.request.row.first(logits)):
-                self.batch.join(a.request.row)
+            self.engine.store.prompt_done(a.request.row.cache)
+            if not a.answer(a.request.row.first(logits)):
+                self.scheduler.add(a.request.row)
                 return
         except Exception as e:  # noqa: BLE001 (this request fails; the others go on)
             a.job.report("error", failure(e))
@@ -197,21 +240,11 @@ class BatchRunner:
             return
         self._finish(a)
 
-    def _answer(self, a: Active, cycle: Emitted) -> bool:
-        """Report one cycle's piece; whether the request is finished."""
-        response = a.request.responder.respond(cycle)
-        if not a.seen:
-            a.ttft = time.perf_counter() - a.started
-        a.seen.append(response)
-        a.job.report("piece", {"text": response.text, "tokens": response.tokens, "logprobs": response.logprobs,
-                               "top": response.top_logprobs})
-        return response.finish_reason is not None
-
     def _finish(self, a: Active, cancelled: bool = False, reported: bool = False) -> None:
         """The request leaves: its caches (what it committed) go to the prompt cache, its client gets the end."""
         row = a.request.row
-        if any(r is row for r in self.batch.rows):
-            self.batch.leave(row)
+        if any(r is row for r in self.scheduler.rows):
+            self.scheduler.drop(row)
         if row.cache.holds_lease(row.lease):
             row.cache.abandon()
         a.handback()
@@ -224,7 +257,7 @@ class BatchRunner:
             mx.clear_cache()
         if reported:
             return
-        if cancelled or not a.seen or not a.seen[-1].finish_reason:
+        if cancelled or not a.finished:
             self.engine.cancelled += 1
             a.job.report("done", None)
             return
