@@ -129,17 +129,7 @@ def convert(
             raise DFlashError("--target is for a drafter; a GGUF file converts alone (train a drafter for it with "
                               "`dflash-mlx train`)")
         return convert_gguf(local, out_path, quantize, q_group_size, dtype, log)
-    check_bundle(local)
-    if is_bundle(local):
-        raise DFlashError(f"{source} is already a bundle: the commands take it as it is (to convert it again, give "
-                          "its draft/ with --target its target/)")
-    draft, target, _ = registry_resolve(source, target)
-    if target is None:
-        local = Path(draft).expanduser()
-        if local.is_dir() and not is_drafter(local):
-            raise DFlashError(f"{source} is a model without a drafter: the commands take it as it is (convert makes "
-                              "drafter + target bundles; `mlx_lm.convert -q` quantizes a model alone)")
-        raise DFlashError(f"drafter {source} needs its target: pass --target TARGET")
+    draft, target = _pair_sources(source, target)
     draft_path = resolve(draft, "drafter")
     target_path = resolve(target, "target")
     drafter = _check_pair(target_path, draft_path)
@@ -167,10 +157,8 @@ def convert(
             "target_parameters": _parameter_count(target_path),
             "dtype": dtype, "quantize": quantize, "q_group_size": q_group_size,
             "draft_quantize": draft_quantize, "quantize_fc": quantize_fc,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "dflash_mlx": __version__,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _write_manifest(tmp, manifest)
         _publish(tmp, out_path)
     except OSError as e:
         raise DFlashError(f"convert failed writing {out_path} ({e.strerror or e}); nothing was written") from None
@@ -180,6 +168,31 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
     remember_bundle(out_path)
     return out_path
+
+
+def _pair_sources(source: str, target: Optional[str]) -> tuple[str, str]:
+    """(drafter, target) of a convert: a drafter and its target (given, or the registry's), never a bundle or a
+    model alone."""
+    local = Path(source).expanduser()
+    check_bundle(local)
+    if is_bundle(local):
+        raise DFlashError(f"{source} is already a bundle: the commands take it as it is (to convert it again, give "
+                          "its draft/ with --target its target/)")
+    draft, target, _ = registry_resolve(source, target)
+    if target is None:
+        local = Path(draft).expanduser()
+        if local.is_dir() and not is_drafter(local):
+            raise DFlashError(f"{source} is a model without a drafter: the commands take it as it is (convert makes "
+                              "drafter + target bundles; `mlx_lm.convert -q` quantizes a model alone)")
+        raise DFlashError(f"drafter {source} needs its target: pass --target TARGET")
+    return draft, target
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    """The bundle's manifest: what it was made from and how, when, by which version."""
+    stamped = {**manifest, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "dflash_mlx": __version__}
+    (folder / MANIFEST).write_text(json.dumps(stamped, indent=1))
 
 
 def _publish(tmp: Path, out_path: Path) -> None:
