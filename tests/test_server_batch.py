@@ -194,3 +194,27 @@ def test_hybrid_and_sliding_window_targets_decode_together(hybrid, tmp_path):
         proc.send_signal(2)
         out, err = finish(proc, 30)
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_alone_is_noticed_within_a_cycle(batched, stream):
+    """A client killed while its request decodes alone in the batch (nothing else arriving): the row stops within a
+    cycle. A whole answer's pieces kept coming while it decoded, so its client's leaving was noticed only when the
+    request ended or the next one arrived (minutes of 100% CPU after an agent was killed)."""
+    cancelled = httpx.get(f"{batched}/health").json()["cancelled"]
+    body = {"prompt": "The quick brown fox", "max_tokens": 100000, "temperature": 0, "stream": stream}
+    try:  # the client gives up mid-reply (a whole one times out, a stream stops reading) and closes its connection
+        with httpx.stream("POST", f"{batched}/v1/completions", json=body, timeout=1.5) as r:
+            began = time.monotonic()
+            for _ in r.iter_bytes():
+                if time.monotonic() - began > 1.0:
+                    break
+    except httpx.TimeoutException:
+        pass
+    health = {}
+    for _ in range(40):  # within 2 s: a cycle of this pair is milliseconds
+        health = httpx.get(f"{batched}/health").json()
+        if health["cancelled"] == cancelled + 1 and health["batch"]["decoding"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["cancelled"] == cancelled + 1 and health["batch"]["decoding"] == 0, health

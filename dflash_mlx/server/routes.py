@@ -83,21 +83,23 @@ class Routes:
     async def events(request: Request, job: Job, idle: float) -> AsyncIterator[tuple[str, Any]]:
         """The engine's reports for ``job``, and ("idle", None) after each ``idle`` seconds of silence.
 
-        A client that leaves cancels the job (checked at each silence, and when the stream is closed).
+        A client that leaves cancels the job at once, whatever its answer is doing (a whole answer's pieces keep
+        coming while it decodes, and nothing is written to the client that could fail), and when the stream is
+        closed.
         """
+        watcher = asyncio.create_task(_cancel_when_gone(request, job))
         try:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(job.events.get(), timeout=idle)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
                     yield "idle", None
                     continue
                 yield kind, value
                 if kind in ("done", "error"):
                     return
         finally:
+            watcher.cancel()
             job.cancelled.set()  # a no-op once done; stops the work if the client left
 
     @staticmethod
@@ -222,3 +224,10 @@ class Routes:
             dialect = anthropic_api.MESSAGES
         code = "method_not_allowed" if exc.status_code == 405 else "not_found"
         return self.refusal(dialect, APIError(exc.status_code, exc.detail or "not found", code=code))
+
+
+async def _cancel_when_gone(request: Request, job: Job) -> None:
+    """Cancel ``job`` as soon as its client disconnects (the body is read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
