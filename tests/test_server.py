@@ -207,6 +207,7 @@ def test_multi_turn_reuses_the_cache(client):
     (json.dumps({"model": "x", "messages": MESSAGES, "temperature": 1, "seed": 2**64}).encode(), 400, "seed"),
     (b"[1, 2]", 400, None),
     (b"x" * (17 * 2**20), 413, None),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None),  # 200 kB of nesting: json's recursion limit was a 500
     # Python's JSON reader takes these (1e400 is standard JSON, beyond a float): a 400, never a plain-text 500
     (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1e400}', 400, None),
     (b'{"model": "x", "messages": [{"role": "user", "content": "a"}], "temperature": NaN}', 400, None),

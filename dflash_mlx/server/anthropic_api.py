@@ -139,6 +139,8 @@ def _tools(body: dict) -> list[dict[str, Any]]:
             "parameters": tool.get("input_schema") or {"type": "object", "properties": {}}}})
     choice = body.get("tool_choice") or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind is not None and not isinstance(kind, str):
+        raise APIError(400, "tool_choice.type must be auto, any, tool or none", "tool_choice")
     return tool_choice({"any": "required", "tool": "named"}.get(kind, kind), converted)
 
 

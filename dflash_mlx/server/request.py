@@ -24,6 +24,7 @@ from ..sampling import Sampling
 from .replies import Reply, ToolCall
 
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit)
+MAX_NESTING = 64  # levels of arrays and objects a body may nest (tool schemas take a handful)
 TEXT_ONLY = "this model reads text only"  # how every dialect refuses an image, audio or file part
 
 # A server-sent event: its ``event:`` name (None: a data line only, as OpenAI's chat chunks) and its data.
@@ -149,19 +150,24 @@ def read_body(raw: bytes) -> Any:
     def refuse(constant: str) -> Any:
         raise ValueError(f"{constant} is not a JSON number")
 
+    nested = APIError(400, f"the request body nests deeper than {MAX_NESTING} levels")
     try:
         body = json.loads(raw, parse_constant=refuse)
+    except RecursionError:
+        raise nested from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})") from None
-    stack = [body]
+    stack = [(body, 0)]
     while stack:
-        value = stack.pop()
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:  # what the templates and tool parsers walk recursively must stay shallow
+            raise nested
         if isinstance(value, float) and not math.isfinite(value):
             raise APIError(400, "the request body has a number beyond a float's range")
         if isinstance(value, dict):
-            stack.extend(value.values())
+            stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
-            stack.extend(value)
+            stack.extend((v, depth + 1) for v in value)
     return body
 
 

@@ -101,7 +101,8 @@ class _Conversation:
             raise APIError(400, f"{where} must be an object", "input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise APIError(400, f"{where} needs a role of user, assistant, system or developer", "input")
             text = _text(item.get("content"), f"{where}.content")
@@ -160,7 +161,10 @@ def _tools(body: dict) -> tuple[list[dict[str, Any]], dict[str, str]]:
 
     for i, tool in enumerate(tools):
         if isinstance(tool, dict) and tool.get("type") == "namespace":
-            for j, inner in enumerate(tool.get("tools") or []):
+            inner_tools = tool.get("tools") or []
+            if not isinstance(inner_tools, list):
+                raise APIError(400, f"tools[{i}].tools must be a list", "tools")
+            for j, inner in enumerate(inner_tools):
                 function(inner, f"tools[{i}].tools[{j}]", str(tool.get("name", "")))
         else:
             function(tool, f"tools[{i}]")

@@ -113,7 +113,7 @@ class Routes:
             body: Any = None
             try:
                 body = await self.read_json(request)
-                completion = await run_in_threadpool(dialect.parse, body, self.engine)
+                completion = await run_in_threadpool(parse, dialect.parse, body, self.engine, request.url.path)
             except APIError as e:
                 self.logged(request, e.status, started, reason=e.message)
                 streamed = isinstance(body, dict) and body.get("stream") is True
@@ -178,7 +178,7 @@ class Routes:
         started = time.perf_counter()
         try:
             body = await self.read_json(request)
-            ids, _ = await run_in_threadpool(anthropic_api.prompt, body, self.engine)
+            ids, _ = await run_in_threadpool(parse, anthropic_api.prompt, body, self.engine, request.url.path)
         except APIError as e:
             self.logged(request, e.status, started, reason=e.message)
             return self.refusal(anthropic_api.MESSAGES, e)
@@ -231,3 +231,15 @@ async def _cancel_when_gone(request: Request, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.cancelled.set()
+
+
+def parse(read: Callable[[Any, Engine], Any], body: Any, engine: Engine, path: str) -> Any:
+    """``read(body, engine)``, a route's parsing; a shape its checks did not foresee is the body's fault, so a 400
+    too (logged, to be given a check of its own)."""
+    try:
+        return read(body, engine)
+    except APIError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
+        log.warning("%s: a body its checks let through: %s: %s", path, type(e).__name__, e)
+        raise APIError(400, f"the request body could not be read ({type(e).__name__}: {e})") from None
