@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import mlx.core as mx
 import pexpect
 import pytest
 from helpers import default_sigint
@@ -492,3 +493,26 @@ def test_a_full_conversation_points_to_reset(pairs):
     assert session.messages[-1]["role"] == "assistant"  # the refused message is not kept
     session.reset()
     assert session.reply("hello").finish_reason is not None
+
+
+def test_forged_caches_beside_a_saved_conversation_are_not_used(pairs, tmp_path):
+    """Caches re-signed with a layer of the wrong shape: /load said "caches restored" and the next message ended in a
+    traceback. Checked against this model's shapes, they are not used (said in one line, a prefill the cost), and
+    the next reply is the one a cold conversation gives."""
+    from dflash_mlx.decode.cache_files import cache_file, read_state, write_state
+
+    target, drafter, tokenizer = pairs["qwen3"]
+    session = ChatSession(target, drafter, tokenizer, asked=RequestSettings(max_tokens=12))
+    session.reply("hello")
+    session.save(str(tmp_path / "talk.json"))
+    caches = cache_file(tmp_path / "talk.json")
+    state, extra = read_state(caches, session._fingerprint())
+    kind, arrays, meta = state.target[0]
+    state.target[0] = (kind, [mx.concatenate([a, a], axis=-1) for a in arrays], meta)
+    write_state(caches, state, session._fingerprint(), extra)
+    loaded = ChatSession(target, drafter, tokenizer, asked=RequestSettings(max_tokens=12))
+    said = loaded.load(str(tmp_path / "talk.json"))
+    assert "its caches not used" in said and "target layer 0" in said and "\n" not in said
+    cold = ChatSession(target, drafter, tokenizer, asked=RequestSettings(max_tokens=12))
+    cold.messages = list(loaded.messages)
+    assert loaded.reply("and then?").tokens == cold.reply("and then?").tokens

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import finish, start_server
 
-from dflash_mlx import generate, load, make_cache
+from dflash_mlx import DFlashError, generate, load, make_cache
 from dflash_mlx.chat_template import render
 from dflash_mlx.decode import cache_files
 from dflash_mlx.decode.cache_files import (
@@ -447,3 +447,64 @@ def test_a_long_reason_is_cut_at_a_word(layouts, tmp_path):
     reason = str(raised.value).removeprefix("unreadable (").removesuffix(")")
     assert len(whole) > 120  # mlx's message is long enough to be cut
     assert reason.endswith(" ...") and (whole + " ").startswith(reason.removesuffix(" ...") + " "), reason
+
+
+def _forged(state, layer: int = 0):
+    """``state`` with its target layer ``layer``'s arrays twice as wide (keys of twice the head size; a recurrent
+    layer's states twice the size), as a re-signed file can carry: the checksums are unkeyed."""
+    kind, arrays, meta = state.target[layer]
+    forged = list(state.target)
+    forged[layer] = (kind, [mx.concatenate([a, a], axis=-1) for a in arrays], meta)
+    return type(state)(state.tokens, forged, state.drafter, state.context, state.window, state.sinks,
+                       state.block_size)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_forged_entry_on_disk_is_dropped_and_the_request_goes_on_cold(layouts, layout, tmp_path, caplog):
+    """Entries whose target layer 0 has the wrong shape pass the file's checks (re-signed: the checksums are
+    unkeyed): one used to restore, then fail every request sharing its prefix with a 500, and be stored again by
+    each. Checked against this model's shapes, each is refused at restore: dropped (its file too) with one log
+    line, never stored again, and the request runs cold, its reply as without a cache."""
+    pair = layouts[layout]
+    target, drafter, tokenizer, window, _ = pair
+    store = _store(pair, tmp_path)
+    _, first = _ask(pair, store, _conversation("A", 1, {}))
+    store.close()
+    files = sorted(store.directory.glob("*.safetensors"))
+    for path in files:  # every entry forged, and re-signed with the fingerprint, as a forger can
+        state, _ = read_state(path, store.fingerprint)
+        write_state(path, _forged(state), store.fingerprint)
+    caplog.set_level(logging.WARNING, logger="dflash_mlx.serve")
+    restarted = _store(pair, tmp_path)
+    ids, out = _ask(pair, restarted, _conversation("A", 2, {("A", 0): first.text}))  # the second turn: resumable
+    warnings = [r.getMessage() for r in caplog.records if "prompt cache: dropping" in r.getMessage()]
+    assert out.prompt_cached == 0 and warnings and all("target layer 0" in w for w in warnings), warnings
+    assert out.tokens == generate(target, drafter, tokenizer, ids, max_tokens=12, window=window,
+                                  block_size=BLOCK).tokens
+    restarted.close()
+    dropped = [path for path in files if str(path) in " ".join(warnings)]
+    assert dropped and not any(path.exists() for path in dropped)
+    kept = set(restarted.directory.glob("*.safetensors")) - set(files)
+    assert kept  # what the cold request kept is sound: it restores
+    for path in kept:
+        restarted.cache.restore(read_state(path, restarted.fingerprint)[0])
+
+
+def test_a_forged_snapshot_is_refused_naming_the_layer(layouts):
+    """restore() checks every layer's kind, dtypes and shapes against this model's (and the pending features'):
+    a snapshot of another shape is a one-line DFlashError, and the cache is left as it was."""
+    pair = layouts["full"]
+    store = _store(pair)
+    _ask(pair, store, _conversation("A", 1, {}))
+    state = store.cache.snapshot()
+    fresh = make_cache(pair[0], pair[1], pair[3], 0, BLOCK)
+    with pytest.raises(DFlashError, match="target layer 1 holds .* array of shape"):
+        fresh.restore(_forged(state, layer=1))
+    assert fresh.tokens == [] and fresh.check() is None
+    wide_context = type(state)(state.tokens, state.target, state.drafter,
+                               mx.concatenate([state.context, state.context], axis=-1), state.window, state.sinks,
+                               state.block_size)
+    with pytest.raises(DFlashError, match="pending features"):
+        fresh.restore(wide_context)
+    fresh.restore(state)  # the true one restores
+    fresh.check()

@@ -6,6 +6,7 @@ committed history in agreement through every cycle, however the caller leaves it
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -17,6 +18,7 @@ from ..models.caches import (
     KVQuantization,
     LayerState,
     layer_state,
+    misfit,
     rewindable,
     rewindable_kinds,
     set_layer_state,
@@ -263,6 +265,7 @@ class DFlashCache:
         target, drafter = self.fresh()
         if len(state.target) != len(target) or len(state.drafter) != len(drafter):
             raise DFlashError("the snapshot was taken of another model's caches (their layers differ)")
+        self._check_fits(state, target, drafter)
         try:
             target = [set_layer_state(c, layer) for c, layer in zip(target, state.target)]
             drafter = [set_layer_state(c, layer) for c, layer in zip(drafter, state.drafter)]
@@ -278,6 +281,23 @@ class DFlashCache:
             self.reset()
             raise DFlashError(f"the snapshot's caches disagree with its history ({e})") from None
 
+    def _check_fits(self, state: CacheState, target: list[Any], drafter: list[Any]) -> None:
+        """Refuse a snapshot whose arrays are not this model's (another model's file, a corrupt or forged one), layer
+        by layer against what one token leaves in fresh caches of this pair."""
+        reference = _reference(self)
+        for where, states, refs, fresh in (("target", state.target, reference[0], target),
+                                           ("drafter", state.drafter, reference[1], drafter)):
+            for i, (got, ref, c) in enumerate(zip(states, refs, fresh)):
+                problem = misfit(got, ref, c, self.kv)
+                if problem is not None:
+                    raise DFlashError(f"the snapshot's {where} layer {i} {problem}")
+        context, features = state.context, reference[2]
+        if context is not None and (context.dtype != features.dtype or context.ndim != 3 or context.shape[0] != 1
+                                    or context.shape[2] != features.shape[2]
+                                    or context.shape[1] > len(state.tokens)):
+            raise DFlashError(f"the snapshot's pending features are {context.dtype} {tuple(context.shape)}, this "
+                              f"model's {features.dtype} (1, n, {features.shape[2]})")
+
     def check(self) -> None:
         """Raise RuntimeError unless the invariant holds (tests call this after every call)."""
         n = len(self.tokens)
@@ -291,6 +311,26 @@ class DFlashCache:
                 )
         if not self.drafter and self.context is not None:
             raise RuntimeError("pending features without drafter caches")
+
+
+_references: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[list[LayerState], list[LayerState], mx.array]]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _reference(cache: DFlashCache) -> tuple[list[LayerState], list[LayerState], mx.array]:
+    """What one token leaves in fresh caches of ``cache``'s pair and layout: (target layers, drafter layers, the
+    features), each layer's arrays of this model's dtypes and shapes. Computed once per loaded pair and layout."""
+    target, drafter = cache.pair
+    per_target = _references.setdefault(target, {})
+    key = (id(drafter), cache.layout)
+    if key not in per_target:
+        target_caches, drafter_caches = cache.fresh()
+        _, features = target(mx.array([[0]]), target_caches, last_logits_only=True, undoable=False)
+        if drafter_caches:
+            drafter.add_context(features, drafter_caches)
+        mx.eval(features, [c.state for c in target_caches + drafter_caches])
+        per_target[key] = ([layer_state(c) for c in target_caches], [layer_state(c) for c in drafter_caches], features)
+    return per_target[key]
 
 
 def make_cache(

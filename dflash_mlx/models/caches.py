@@ -371,6 +371,35 @@ def layer_state(c: Any) -> LayerState:
     raise TypeError(f"no snapshot for a {type(c).__name__}")
 
 
+def misfit(state: LayerState, reference: LayerState, fresh: Any, kv: Optional[KVQuantization]) -> Optional[str]:
+    """Why ``state`` cannot be this model's layer (None: it can): its kind, its arrays' count, dtypes and shapes
+    against ``reference``, what one token leaves in the ``fresh`` cache of this layer.
+
+    A snapshot from a file passes its checksums yet may come from another model or be forged: its arrays
+    would restore, then fail the first pass that concatenates them (or, same shapes, answer wrongly).
+    """
+    kind, arrays, meta = state
+    ref_kind, refs, _ = reference
+    if kind == "quantized" and ref_kind == "full" and kv is not None:
+        if (meta.get("bits"), meta.get("group_size")) != (kv.bits, kv.group_size):
+            return f"is quantized to {meta.get('bits')} bits in groups of {meta.get('group_size')}, not as --kv-bits"
+        quantized = [q for r in refs for q in mx.quantize(r, kv.group_size, kv.bits)]  # keys', then values' parts
+        refs = [(q.shape, q.dtype) for q in quantized]
+    elif kind != ref_kind:
+        return f"is a {kind} layer, this model's a {ref_kind} one"
+    else:
+        refs = [(r.shape, r.dtype) for r in refs]
+    if arrays and len(arrays) != len(refs):
+        return f"has {len(arrays)} arrays, this model's {len(refs)}"
+    length = None if kind == "recurrent" else fresh._stored(meta["offset"]) if kind == "window" else meta["offset"]
+    for a, (shape, dtype) in zip(arrays, refs):
+        want = tuple(shape) if length is None else (*shape[:-2], length, shape[-1])
+        if a.dtype != dtype or tuple(a.shape) != want:
+            name = str(a.dtype).removeprefix("mlx.core."), str(dtype).removeprefix("mlx.core.")
+            return f"holds a {name[0]} array of shape {tuple(a.shape)}, this model's are {name[1]} {want}"
+    return None
+
+
 def set_layer_state(c: Any, state: LayerState) -> Any:
     """Put ``state`` (from ``layer_state``) into a fresh cache of the same kind, in array objects of its own; the
     cache that holds it (a quantized layer's state takes a ``QuantizedKVCache`` in place of a fresh ``KVCache``)."""

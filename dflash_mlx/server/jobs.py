@@ -50,6 +50,7 @@ class Active:
     steps: Optional[Iterator[Optional[mx.array]]]  # the prefill's chunks; None once the row decodes
     left: int  # prompt tokens still to prefill
     handback: Callable[[], None] = lambda: None  # what the row's policy learned, back to the shared one
+    origin: Any = None  # the prompt-cache entry its caches were restored from (dropped if the request fails)
     started: float = field(default_factory=time.perf_counter)
     seen: list[GenerationResponse] = field(default_factory=list)
     ttft: float = 0.0

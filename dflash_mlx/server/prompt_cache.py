@@ -122,15 +122,16 @@ class PromptCache:
         self._clock += 1
         return self._clock
 
-    def prepare(self, ids: list[int], cache: Optional[DFlashCache] = None) -> None:
+    def prepare(self, ids: list[int], cache: Optional[DFlashCache] = None) -> Optional[Entry]:
         """Restore the entry that serves the most of ``ids`` into ``cache`` (the server's one by default), if it
-        serves more than the cache does."""
+        serves more than the cache does; the entry restored. One that does not restore is dropped (a log line) and
+        the next best tried."""
         cache = self.cache if cache is None else cache
         self.entries = [e for e in self.entries if e.state is not None or e.path is not None]  # files trimmed away
         held = usable(cache.tokens, cache.rewindable, ids)
         for entry in sorted(self.entries, key=lambda e: (usable(e.tokens, e.rewindable, ids), e.used), reverse=True):
             if usable(entry.tokens, entry.rewindable, ids) <= held:
-                return
+                return None
             state = entry.state if entry.state is not None else self._read(entry)
             if state is None:
                 continue  # unreadable: dropped, try the next best
@@ -145,7 +146,16 @@ class PromptCache:
             entry.used = self._tick()
             if entry.path is not None:
                 _touch(entry.path)
-            return
+            return entry
+        return None
+
+    def discard(self, entry: Optional[Entry], cache: DFlashCache) -> None:
+        """A request failed on ``cache``, restored from ``entry``: the entry goes (its file too) and the cache starts
+        over, so that neither serves another request."""
+        if entry is not None and entry in self.entries:
+            log.warning("prompt cache: dropping %s, which a request failed on", entry.path or "an entry")
+            self._drop(entry)
+        cache.reset()
 
     def prompt_done(self, cache: Optional[DFlashCache] = None) -> None:
         """The prompt is prefilled in ``cache`` (the server's one by default): an entry here, where a window or a

@@ -159,7 +159,7 @@ class Runner:
         self.leaving = []
         for a in [a for a in self.active if a.steps is None]:
             a.job.report("error", failure(e))
-            self._finish(a, reported=True)
+            self._finish(a, reported=True, failed=True)
         self.scheduler.close()
 
     def _admit(self, following: bool) -> bool:
@@ -203,7 +203,7 @@ class Runner:
         cache = engine.store.cache if self.alone else DFlashCache.empty(engine.target, engine.drafter,
                                                                         engine.decoding.layout)
         try:
-            engine.store.prepare(c.ids, cache)
+            origin = engine.store.prepare(c.ids, cache)
             request = setup(engine.target, engine.drafter, engine.tokenizer, c.ids, engine.decoding, c.settings(),
                             cache=cache)
         except Exception as e:  # noqa: BLE001 (this request fails; the others go on)
@@ -215,7 +215,7 @@ class Runner:
         job.report("start", {"prompt_tokens": len(c.ids), "cached_tokens": request.reused})
         steps = prefill_steps(engine.target, engine.drafter, cache, request.ids[request.reused :],
                               request.prefill_step_size, lambda done, total: None)
-        self.active.append(Active(job, request, steps, len(request.ids) - request.reused, handback))
+        self.active.append(Active(job, request, steps, len(request.ids) - request.reused, handback, origin))
 
     def _prefill_one(self) -> None:
         """One chunk of the prefill with the least left; a prefill that ends gives its row the first token and a
@@ -236,12 +236,13 @@ class Runner:
                 return
         except Exception as e:  # noqa: BLE001 (this request fails; the others go on)
             a.job.report("error", failure(e))
-            self._finish(a, reported=True)
+            self._finish(a, reported=True, failed=True)
             return
         self._finish(a)
 
-    def _finish(self, a: Active, cancelled: bool = False, reported: bool = False) -> None:
-        """The request leaves: its caches (what it committed) go to the prompt cache, its client gets the end."""
+    def _finish(self, a: Active, cancelled: bool = False, reported: bool = False, failed: bool = False) -> None:
+        """The request leaves: its caches (what it committed) go to the prompt cache, its client gets the end. The
+        caches of a request that failed are kept by nobody, nor the entry they came from."""
         row = a.request.row
         if any(r is row for r in self.scheduler.rows):
             self.scheduler.drop(row)
@@ -250,7 +251,10 @@ class Runner:
         a.handback()
         self.active.remove(a)
         try:
-            self.engine.store.keep(row.cache)
+            if failed:
+                self.engine.store.discard(a.origin, row.cache)
+            else:
+                self.engine.store.keep(row.cache)
         except Exception as e:  # noqa: BLE001 (the answer stands without its cache entry)
             log.warning("prompt cache: could not keep an entry: %s", e)
         if not self.active:
