@@ -343,3 +343,16 @@ def test_ci_runs_the_containment_tests():
     (unshare is in util-linux), else they would pass by skipping. A clone under /tmp was such a case: its
     interpreter sat below the sandbox's own /tmp."""
     assert sandbox.isolation() is not None and sandbox.isolation().kind in ("bwrap", "unshare")
+
+
+@pytest.mark.parametrize("jail", [j for j in JAILS if j.kind != "sandbox-exec"], ids=lambda j: j.kind)
+def test_a_program_can_fill_neither_the_disk_nor_the_process_table(jail):
+    """48 files of 2 MiB (each under the per-file cap) wrote 96 MiB, and a program forked 60 processes (root is not
+    held to the process limit): the folder is a tmpfs of WORK_BYTES, and run by root the program runs as nobody."""
+    fill = "for i in range(48):\n    with open(f'f{i}', 'wb') as f:\n        f.write(b'x' * (2 << 20))\n"
+    outcome = run(fill, jail=jail)
+    assert not outcome.passed and "No space left" in outcome.detail, outcome
+    forks = ("import posix, time\nfor n in range(60):\n    if posix.fork() == 0:\n        time.sleep(3)\n"
+             "        posix._exit(0)\n")
+    outcome = run(forks, timeout=10, jail=jail)
+    assert not outcome.passed and "Resource temporarily unavailable" in outcome.detail, outcome

@@ -39,7 +39,9 @@ from typing import NamedTuple, Optional
 
 MEMORY_BYTES = 4 << 30
 FILE_BYTES = 16 << 20  # the largest file a program may write
-PROCESSES = 16  # per user inside the sandbox (the kernel does not apply this limit to root)
+WORK_BYTES = 64 << 20  # all it may write (Linux: its folder is a tmpfs of this size)
+PROCESSES = 16  # per user inside the sandbox (the kernel exempts root: run as root, the sandbox runs as NOBODY)
+NOBODY = 65534
 VERDICT_BYTES = 1 << 16
 KINDS = {"linux": ("bwrap", "unshare"), "darwin": ("sandbox-exec",)}.get(sys.platform, ())
 # What a Linux sandbox shows of the system, read-only (a top-level symlink such as /lib -> usr/lib is recreated).
@@ -58,20 +60,27 @@ class Outcome(NamedTuple):
 
 
 class Jail(NamedTuple):
-    """A sandbox that works here: its kind (one of KINDS) and the tool's path."""
+    """A sandbox that works here: its kind (one of KINDS), the tool's path, and whether the program runs as
+    ``NOBODY`` (``unshare`` started by root: the kernel does not hold root to the process limit, even as the root
+    of a user namespace, so root builds the namespaces itself and the program runs as nobody in them)."""
 
     kind: str
     tool: str
+    nobody: bool = False
 
 
 def jail(kind: str, path: Optional[str] = None) -> Optional[Jail]:
     """The sandbox ``kind`` when its tool is on ``path`` (default $PATH) and runs a program here, else None.
 
     Having the tool is not enough (user namespaces may be disabled, a profile refused), so a
-    trivial program must pass in it.
+    trivial program must pass in it. ``unshare`` started by root runs the program as ``NOBODY``
+    where that works, else as the root of a user namespace, where the process limit does not bind.
     """
     tool = shutil.which(kind, path=path)
-    return _working(Jail(kind, tool)) if tool else None
+    if not tool:
+        return None
+    as_nobody = kind == "unshare" and os.geteuid() == 0
+    return (as_nobody and _working(Jail(kind, tool, True))) or _working(Jail(kind, tool))
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,8 +89,10 @@ def _working(candidate: Jail) -> Optional[Jail]:
 
 
 def isolation(path: Optional[str] = None) -> Optional[Jail]:
-    """The first sandbox of this platform's KINDS that works here, None when none does."""
-    return next(filter(None, (jail(kind, path) for kind in KINDS)), None)
+    """The first sandbox of this platform's KINDS that works here, None when none does (as root, ``unshare``
+    first: it can run the program as nobody)."""
+    kinds = sorted(KINDS, key=lambda kind: kind != "unshare") if os.geteuid() == 0 else KINDS
+    return next(filter(None, (jail(kind, path) for kind in kinds)), None)
 
 
 def run(source: str, timeout: float, sandbox: Optional[Jail]) -> Outcome:
@@ -167,18 +178,18 @@ def wrap(sandbox: Optional[Jail], folder: str, argv: list[str]) -> tuple[list[st
         params = [f"P{i}={p}" for i, p in enumerate(prefixes)] + [f"W{i}={p}" for i, p in enumerate(works)]
         return [sandbox.tool, *(a for p in params for a in ("-D", p)), "-p", profile(len(prefixes), len(works)),
                 *argv], os.path.realpath(work)
-    # ``work`` is the sandbox's /tmp, mounted before the read-only folders so that an interpreter under /tmp (a
-    # CI's clone) shows inside it; the program starts in an empty folder of its own there.
+    # The sandbox's /tmp is a tmpfs of WORK_BYTES, mounted before the read-only folders so that an interpreter
+    # under /tmp (a CI's clone) shows inside it; the program starts in an empty folder of its own there.
     links, binds = _tree()
-    os.mkdir(os.path.join(work, "run"))
     if sandbox.kind == "bwrap":
         view = [a for target, link in links for a in ("--symlink", target, link)]
         view += [a for path in binds for a in ("--ro-bind", path, path)]
         return [sandbox.tool, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-                "--cap-drop", "ALL", "--bind", work, "/tmp", *view, "--dev", "/dev", "--chdir", "/tmp/run", "--",
-                *argv], "/tmp/run"
-    return [sandbox.tool, "--user", "--map-root-user", "--net", "--pid", "--ipc", "--mount", "--fork",
-            "--kill-child", "/bin/sh", "-c", unshare_script(root, work, links, binds), "sh", *argv], "/tmp/run"
+                "--cap-drop", "ALL", "--size", str(WORK_BYTES), "--tmpfs", "/tmp", "--dir", "/tmp/run", *view,
+                "--dev", "/dev", "--chdir", "/tmp/run", "--", *argv], "/tmp/run"
+    user = [] if sandbox.nobody else ["--user", "--map-root-user"]
+    return [sandbox.tool, *user, "--net", "--pid", "--ipc", "--mount", "--fork", "--kill-child", "/bin/sh", "-c",
+            unshare_script(root, links, binds, sandbox.nobody), "sh", *argv], "/tmp/run"
 
 
 def interpreter() -> list[str]:
@@ -213,8 +224,9 @@ def _tree() -> tuple[list[tuple[str, str]], list[str]]:
     return links, binds + [p for p in readable() if not any(p == b or p.startswith(b + "/") for b in binds)]
 
 
-def unshare_script(root: str, work: str, links: list[tuple[str, str]], binds: list[str]) -> str:
-    """The shell run as root of the new user namespace: builds the sandbox's root on a tmpfs at ``root``, enters it.
+def unshare_script(root: str, links: list[tuple[str, str]], binds: list[str], nobody: bool = False) -> str:
+    """The shell run as root of the new namespaces: builds the sandbox's root on a tmpfs at ``root``, enters it;
+    with ``nobody`` the program then runs as ``NOBODY`` (root's namespaces, without a user namespace of their own).
 
     Each folder is bind-mounted, then made read-only keeping the flags (nosuid, nodev, noexec)
     of the mount it comes from (the kernel refuses to drop them inside a user namespace). The
@@ -224,7 +236,7 @@ def unshare_script(root: str, work: str, links: list[tuple[str, str]], binds: li
     q = shlex.quote
     lines = ["set -eu", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",  # pivot_root is in sbin, which a user's PATH may lack
              f"mount -t tmpfs -o size=1m,mode=755 dflash {q(root)}", f"cd {q(root)}", "mkdir .old proc tmp dev",
-             f"mount --bind {q(work)} tmp"]
+             f"mount -t tmpfs -o size={WORK_BYTES},mode=1777 dflash-work tmp", "mkdir -m 777 tmp/run"]
     lines += [f"ln -s {q(target)} .{q(link)}" for target, link in links]
     for path in binds:
         lines += [f"mkdir -p .{q(path)}", f"mount --bind {q(path)} .{q(path)}",
@@ -234,7 +246,9 @@ def unshare_script(root: str, work: str, links: list[tuple[str, str]], binds: li
     lines += ["pivot_root . .old",
               "mount -t proc proc /proc", "umount -l /.old", "umount /proc", "rmdir /.old /proc",
               "mount -o remount,bind,ro /", "cd /tmp/run",
-              'exec setpriv --bounding-set=-all --inh-caps=-all --no-new-privs "$@"']
+              "exec setpriv " + (f"--reuid={NOBODY} --regid={NOBODY} --clear-groups --pdeathsig keep " if nobody
+                                 else "")  # (a change of user clears the kill that --kill-child set: kept)
+              + '--bounding-set=-all --inh-caps=-all --no-new-privs "$@"']
     return "\n".join(lines) + "\n"
 
 
