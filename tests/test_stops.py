@@ -46,3 +46,14 @@ def test_shown_text_is_the_text_before_the_first_stop_however_it_is_cut(text, st
 def test_stop_strings_must_be_text(bad):
     with pytest.raises(DFlashError, match="stop strings must be non-empty text"):
         stop_list(bad)
+
+
+def test_request_settings_take_one_stop_string_as_one_stop():
+    """RequestSettings built directly (the library's settings object) reads a string as one stop, as the keywords do,
+    not as a stop per character."""
+    from dflash_mlx.decode.settings import RequestSettings
+
+    assert RequestSettings(stop="\n\n").stop == ("\n\n",)
+    assert RequestSettings(stop=["a", "b"]).stop == ("a", "b")
+    with pytest.raises(DFlashError):
+        RequestSettings(stop=[""])

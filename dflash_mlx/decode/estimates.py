@@ -4,7 +4,7 @@ Both are decaying estimates, updated every cycle, cheap enough for the plain ste
 (arithmetic on floats and small arrays). Each can take in another of its kind (``merge``): a batch row
 decodes with a copy of the shared policy, and what it measured joins the shared estimates when it ends.
 Two estimates of the same quantity combine weighted by what each has seen, and the result counts as much
-as the one that saw more (``_combine``): the rows' copies share the history they started from, so their
+as the one that saw more (``combine``): the rows' copies share the history they started from, so their
 weights are not added.
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 
-def _combine(value: float, weight: float, other: float, other_weight: float) -> tuple[float, float]:
+def combine(value: float, weight: float, other: float, other_weight: float) -> tuple[float, float]:
     """Two estimates' weighted mean, with the larger weight."""
     total = weight + other_weight
     if total <= 0:
@@ -119,7 +119,7 @@ class Line:
         """Take in another line's depths: each depth's means combined."""
         for k, (weight, mean) in other._means.items():
             mine = self._means.get(k, [0.0, 0.0])
-            combined, most = _combine(mine[1], mine[0], mean, weight)
+            combined, most = combine(mine[1], mine[0], mean, weight)
             self._means[k] = [most, combined]
         if self._means:
             self._refit()
@@ -221,7 +221,7 @@ class CycleCosts:
             if self.plain is None:
                 self.plain, self._plain_weight = other.plain, other._plain_weight
             else:
-                self.plain, self._plain_weight = _combine(self.plain, self._plain_weight, other.plain,
+                self.plain, self._plain_weight = combine(self.plain, self._plain_weight, other.plain,
                                                           other._plain_weight)
         self.drafting.merge(other.drafting)
         self.copying.merge(other.copying)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..distributed import from_main
 from ..errors import DFlashError
-from .estimates import Acceptance, CycleCosts, _combine
+from .estimates import Acceptance, CycleCosts, combine
 from .repeats import Repeats
 
 AUTO, DRAFTER, COPY = "auto", "drafter", "copy"
@@ -192,9 +192,9 @@ class ProbeSchedule:
 
     def merge(self, other: ProbeSchedule) -> None:
         """Take in what another schedule found (a batch row's): the rates combined; its place in a reply not."""
-        rate, self.waited = _combine(self.found / self.waited, self.waited, other.found / other.waited, other.waited)
+        rate, self.waited = combine(self.found / self.waited, self.waited, other.found / other.waited, other.waited)
         self.found = rate * self.waited
-        share, self.prompts = _combine(self.paid / self.prompts, self.prompts, other.paid / other.prompts,
+        share, self.prompts = combine(self.paid / self.prompts, self.prompts, other.paid / other.prompts,
                                        other.prompts)
         self.paid = share * self.prompts
 

@@ -80,7 +80,8 @@ class RequestSettings:
     eos_token_ids: Optional[frozenset[int]] = None  # None: the tokenizer's
 
     def __post_init__(self) -> None:
-        stop_list(self.stop)
+        object.__setattr__(self, "stop", stop_list(self.stop))  # one string is one stop, not its characters
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         if self.max_tokens < 1:
             raise DFlashError(f"max_tokens must be >= 1, got {self.max_tokens}")
         logprobs = self.logprobs
