@@ -40,8 +40,17 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port < 60000:
+        if port < 60000 and all(_bindable(port + i) for i in range(1, 4)):  # else a rank's bind can fail (error 98)
             return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def launch(*command: str, ranks: int = 2, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
