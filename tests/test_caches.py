@@ -107,11 +107,54 @@ def test_bad_settings(window, sinks, match):
         WindowKVCache(window, sinks=sinks)
 
 
-def test_rollback_beyond_slack_refused():
-    cache = WindowKVCache(8, slack=4)
-    cache.update_and_fetch(mx.zeros((1, H, 3, D)), mx.zeros((1, H, 3, D)))
-    with pytest.raises(ValueError, match="at most 4"):
-        cache.trim(5)
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("window,sinks", [(8, 0), (8, 2), (5, 1)])
+def test_rollbacks_and_skips_go_exactly_as_far_as_what_a_query_sees_is_held(window, sinks, seed):
+    """Random writes, rollbacks of any size and skips (a drafter window's pruned prompt head): a rollback is refused
+    exactly when a query at the new end would see a position the ring no longer holds (overwritten, or skipped);
+    every query attends as dense attention over the whole history does."""
+    slack, ring = 4, window + 4
+    rng = np.random.default_rng(seed)
+    cache = WindowKVCache(window, sinks=sinks, slack=slack)
+    hist_k = hist_v = mx.zeros((1, H, 0, D))
+    held: set[int] = set()
+
+    def write(size: int, check: bool) -> None:
+        nonlocal hist_k, hist_v
+        q, k, v = (mx.array(rng.standard_normal((1, H, size, D)).astype(np.float32)) for _ in range(3))
+        start, mask = cache.offset, cache.make_mask(size)
+        out = _attend(q, *cache.update_and_fetch(k, v), mask)
+        hist_k, hist_v = mx.concatenate([hist_k, k], axis=2), mx.concatenate([hist_v, v], axis=2)
+        held.update(range(start, start + size))
+        held.difference_update(p for p in range(sinks, start + size - ring))  # their slots were written over
+        if check:
+            ref = _reference(q, hist_k, hist_v, start, window, sinks)
+            np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-5)
+
+    for _ in range(60):
+        action = rng.integers(0, 10)
+        if action < 6:
+            write(int(rng.integers(1, 2 * slack)), check=True)
+        elif action < 9:
+            n = int(rng.integers(1, 3 * slack))
+            end = max(0, cache.offset - n)
+            seen = range(min(sinks, end)), range(max(sinks, end - window + 1), end)
+            legitimate = all(p in held for part in seen for p in part)
+            if legitimate:
+                cache.trim(n)
+            else:
+                with pytest.raises(ValueError, match="no longer holds"):
+                    cache.trim(n)
+                continue
+            held.difference_update(range(end, end + n))
+            hist_k, hist_v = hist_k[:, :, :end], hist_v[:, :, :end]
+        elif cache.offset >= sinks:  # skip k positions, then the window's worth of context a query needs
+            k = int(rng.integers(1, 3 * window))
+            filler = mx.array(rng.standard_normal((1, H, k, D)).astype(np.float32))  # what the ring never gets
+            cache.skip(k)
+            held.difference_update(range(sinks, cache.offset))  # nothing before a skip is returned to either
+            hist_k, hist_v = mx.concatenate([hist_k, filler], axis=2), mx.concatenate([hist_v, filler], axis=2)
+            write(window - 1, check=False)  # context rows: no query of theirs reaches back to the skipped ones
 
 
 @pytest.mark.parametrize("sinks", [0, 2])

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import typer
 from rich.console import Console
@@ -21,7 +21,9 @@ from typer.core import TyperGroup
 from .. import __version__, distributed
 from ..errors import DFlashError
 from ..models.caches import KVQuantization
-from .checks import check_loaded
+
+if TYPE_CHECKING:
+    from ..decode.settings import CacheLayout
 
 err = Console(stderr=True, highlight=False)
 
@@ -124,6 +126,8 @@ MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to genera
 BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle \\[default: adaptive, up to the drafter's block].")
 WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
 SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
+DRAFT_WINDOW = typer.Option(None, "--draft-window", help="The drafter attends to the last N context positions, the "
+                            "target to all; 0: all \\[default: the drafter's, see the README's long prompts].")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this much mass.")
 TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0: all).")
@@ -163,15 +167,16 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
-def before_decoding(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
-    """Once the drafter is loaded: the flags that depend on it, then a warning if this machine's BLAS is slow.
+def before_decoding(layout: CacheLayout, target: Any, drafter: Any) -> None:
+    """Once the pair is loaded: the flags that depend on it (the layout against the pair), then a warning if this
+    machine's BLAS is slow.
 
     Every command that decodes gives that warning (Linux only). ``DFLASH_MLX_BLAS_WARNING=0``
     silences it, for those who know (the test suite, which checks what else the commands print).
     """
     from ..system import blas_check
 
-    check_loaded(window, sinks, block_size, drafter)
+    layout.of_pair(target, drafter)
     verdict = blas_check()
     if verdict is not None and verdict[0] != "ok" and os.environ.get("DFLASH_MLX_BLAS_WARNING") != "0":
         warn(verdict[1])

@@ -76,7 +76,9 @@ def report(model: str, target: Optional[str], dataset: str, drafter: Any, record
     from ..models.drafter import NoDrafter
 
     block_size = options["block_size"]
+    draft_window = options.get("draft_window")
     settings = {"model": model, "target": target, "window": options["window"], "sinks": options["sinks"],
+                "draft_window": getattr(drafter, "context_window", 0) if draft_window is None else draft_window,
                 "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
                 "draft_source": options["draft_source"], "max_tokens": options["max_tokens"],
                 "temperature": options["temperature"], "repeats": options["repeats"], "dataset": dataset,

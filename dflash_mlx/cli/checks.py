@@ -20,9 +20,11 @@ if TYPE_CHECKING:
 
 
 def check_options(block_size: Optional[int], max_tokens: int, window: Optional[int], sinks: int,
-                  prefill_step_size: Optional[int] = None, draft_source: str = "auto", **sampling: Any) -> None:
+                  prefill_step_size: Optional[int] = None, draft_source: str = "auto",
+                  draft_window: Optional[int] = None, **sampling: Any) -> None:
     """Fail on bad flag values before loading gigabytes of weights (the window against the drafter's block after)."""
     from ..decode.policy import check_source
+    from ..decode.settings import check_draft_window
     from ..models.caches import check_window
     from ..sampling import Sampling
 
@@ -34,6 +36,7 @@ def check_options(block_size: Optional[int], max_tokens: int, window: Optional[i
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be >= 1, got {max_tokens}")
     check_window(window, sinks, block_size or 1)
+    check_draft_window(draft_window, block_size or 1)
     Sampling(**sampling)
 
 
@@ -96,15 +99,6 @@ def logits_processors(settings: dict[str, Any], vocab_size: int) -> Optional[lis
     if outside:
         raise DFlashError(f"--logit-bias: token {outside[0]} is outside the vocabulary (0-{vocab_size - 1})")
     return make_logits_processors(**settings) or None
-
-
-def check_loaded(window: Optional[int], sinks: int, block_size: Optional[int], drafter: Any) -> None:
-    """Once the drafter is loaded: a block it was trained for, and a window that holds it."""
-    from ..models.caches import check_block_size, check_window
-
-    if block_size is not None:
-        check_block_size(block_size, drafter)
-    check_window(window, sinks, block_size or drafter.block_size)
 
 
 def integers(text: str, flag: str, *, skip_blanks: bool = False) -> list[int]:

@@ -21,6 +21,7 @@ from ..errors import DFlashError
 from .app import (
     ADAPTER,
     BLOCK_SIZE,
+    DRAFT_WINDOW,
     FREQUENCY,
     KV_BITS,
     KV_GROUP,
@@ -70,6 +71,7 @@ def generate(
     block_size: Optional[int] = BLOCK_SIZE,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
+    draft_window: Optional[int] = DRAFT_WINDOW,
     prefill_step_size: Optional[int] = PREFILL_STEP,
     temperature: float = TEMP,
     top_p: float = TOP_P,
@@ -101,17 +103,17 @@ def generate(
     from ..sampling import Sampling
 
     sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
-    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source)
+    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, draft_window)
     penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
     template_kwargs = template_args(chat_template_args)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
-    decoding = DecodeSettings(CacheLayout(window, sinks, block_size, kv), prefill_step_size, draft_source)
+    decoding = DecodeSettings(CacheLayout(window, sinks, block_size, kv, draft_window), prefill_step_size, draft_source)
     if raw and chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
         prompt = sys.stdin.read()
     _, tgt, drafter, tokenizer = load_model(draft, target, chat_template, err, adapter_path)
-    before_decoding(window, sinks, block_size, drafter)
+    before_decoding(decoding.layout, tgt, drafter)
     chat = not raw and has_chat_template(tokenizer)
     ids = render(tokenizer, user(prompt), template_kwargs=template_kwargs) if chat else encode_prompt(tokenizer, prompt)
     if (budget := check_context(tgt.max_positions, len(ids), max_tokens)) < max_tokens:
@@ -202,6 +204,9 @@ def convert(
                                                                "dequantize every tensor to it)."),
     draft_quantize: str = typer.Option("none", "--draft-quantize", help="Drafter quantization: none, 8bit or 4bit."),
     quantize_fc: bool = typer.Option(False, "--quantize-fc", help="With --draft-quantize: quantize fc too."),
+    draft_window: Optional[int] = typer.Option(None, "--draft-window", help="The drafter context window the bundle "
+                                               "decodes with unless a command says otherwise (0: all) \\[default: "
+                                               "this version's]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
 ) -> None:
     """Convert a drafter and its target into one offline MLX bundle (optionally quantized), or a GGUF file
@@ -214,7 +219,8 @@ def convert(
 
     with err.status("checking the pair") as status:  # transient: only the result or one error line stays
         path = run(source, out, target=target, quantize=quantize, q_group_size=q_group_size, dtype=dtype,
-                   draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force, log=status.update)
+                   draft_quantize=draft_quantize, quantize_fc=quantize_fc, force=force, log=status.update,
+                   draft_window=draft_window)
     typer.echo(summary(path))
 
 
@@ -261,6 +267,7 @@ def chat(
     target: Optional[str] = TARGET,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
+    draft_window: Optional[int] = DRAFT_WINDOW,
     block_size: Optional[int] = BLOCK_SIZE,
     temperature: float = TEMP,
     top_p: float = TOP_P,
@@ -293,16 +300,16 @@ def chat(
     from .chat import converse
 
     sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
-    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source)
+    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, draft_window=draft_window)
     penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
     template_kwargs = template_args(chat_template_args)
     decoding = DecodeSettings(CacheLayout(window, sinks, block_size,
-                                          kv_quantization(kv_bits, kv_group_size, quantized_kv_start)),
+                                          kv_quantization(kv_bits, kv_group_size, quantized_kv_start), draft_window),
                               draft_source=draft_source)
     model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
     if warning := thinking_mismatch(model, think):
         err.print(f"[yellow]warning:[/] {warning}")
-    before_decoding(window, sinks, block_size, drafter)
+    before_decoding(decoding.layout, tgt, drafter)
     asked = RequestSettings(max_tokens, sampling, stop_list(stop), None,
                             tuple(logits_processors(penalties, tgt.vocab_size) or ()))
     session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, decoding=decoding, asked=asked,
@@ -317,6 +324,7 @@ def bench(
     target: Optional[str] = TARGET,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
+    draft_window: Optional[int] = DRAFT_WINDOW,
     prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Context sweep: prompt lengths, e.g. 1024,4096,8192."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Tokens to decode per prompt."),
     dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in: the three interleaved), edit (a file asked back with one change), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
@@ -345,18 +353,21 @@ def bench(
 
     Ctrl-C stops early and keeps (prints and writes) the prompts measured so far.
     """
+    from ..decode.settings import CacheLayout
     from ..models.loader import load
     from . import bench as cli_bench
 
-    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, temperature=temperature)
+    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, draft_window=draft_window,
+                  temperature=temperature)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     lengths = check_bench(repeats, num_prompts, dataset, prompt_tokens, score, score_timeout, score_unisolated,
                           json_out, plot_out, force)
     listed = cli_bench.listed_prompts(dataset, num_prompts)
     tgt, drafter, tokenizer = load(model, target, adapter_path=adapter_path)
-    before_decoding(window, sinks, block_size, drafter)
+    before_decoding(CacheLayout(window, sinks, block_size, kv, draft_window), tgt, drafter)
     conversations = cli_bench.bench_prompts(listed, lengths, dataset, num_prompts, tokenizer, tgt.max_positions)
     options = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
+                   draft_window=draft_window,
                    temperature=temperature, repeats=repeats, **(kv.keywords() if kv is not None else {}))
     records, planned, interrupted = cli_bench.measure(err, tgt, drafter, tokenizer, conversations, **options)
     if interrupted and not records:

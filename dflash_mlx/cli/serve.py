@@ -11,6 +11,7 @@ from .. import distributed
 from .app import (
     ADAPTER,
     BLOCK_SIZE,
+    DRAFT_WINDOW,
     KV_BITS,
     KV_GROUP,
     KV_START,
@@ -54,6 +55,7 @@ def serve(
     draft_source: str = SOURCE,
     window: Optional[int] = WINDOW,
     sinks: int = SINKS,
+    draft_window: Optional[int] = DRAFT_WINDOW,
     prefill_step_size: Optional[int] = PREFILL_STEP,
     chat_template: Optional[str] = TEMPLATE,
     chat_template_args: Optional[str] = typer.Option(
@@ -90,10 +92,12 @@ def serve(
     check_http_stack()
     from ..server import serve as run
 
-    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, temperature=temperature,
+    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, draft_window,
+                  temperature=temperature,
                   top_p=top_p, top_k=top_k, min_p=min_p)
     check_serving(port, keepalive, log_level, max_batch, api_key)
-    layout = CacheLayout(window, sinks, block_size, kv_quantization(kv_bits, kv_group_size, quantized_kv_start))
+    layout = CacheLayout(window, sinks, block_size, kv_quantization(kv_bits, kv_group_size, quantized_kv_start),
+                         draft_window)
     limits = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
     defaults = Defaults(temperature, top_p, top_k, min_p, max_tokens, template_args(chat_template_args))
     model, engine = _engine(model, target, chat_template, adapter_path, DecodeSettings(layout, prefill_step_size,
@@ -118,7 +122,7 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
     with err.status("loading the model"):
         model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
     layout = decoding.layout
-    before_decoding(layout.window, layout.sinks, layout.block_size, drafter)
+    before_decoding(layout, tgt, drafter)
     if limits.max_bytes is None and tgt.group is None:
         limits = dataclasses.replace(limits, max_bytes=machine_description()["memory_bytes"] // 4)
     rows = default_max_batch(tgt, machine_description()["memory_bytes"]) if max_batch is None else max_batch

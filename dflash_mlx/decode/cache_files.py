@@ -49,6 +49,8 @@ def fingerprint(target: Any, drafter: Any, layout: CacheLayout) -> str:
              "layers": list(target.layer_ids),
              "dtype": str(target.dtype), "window": layout.window, "sinks": layout.sinks,
              "block_size": layout.block_size}
+    if layout.draft_window:  # a drafter window's entries fit only runs with it (absent otherwise, as below)
+        parts["draft_window"] = layout.draft_window
     if (kv := layout.kv) is not None:  # a quantized cache's entries fit only runs quantized alike (absent otherwise, as below)
         parts["kv"] = [kv.bits, kv.group_size, kv.start]
     if (adapter := getattr(target, "adapter", None)) is not None:  # absent otherwise: caches saved before still match
@@ -102,7 +104,7 @@ def write_state(path: Path, state: CacheState, print_: str, extra: Optional[dict
     mx.eval(list(arrays.values()))
     header = {
         "format": FORMAT, "fingerprint": print_, "window": state.window, "sinks": state.sinks,
-        "block_size": state.block_size, "layout": {"target": [[k, m, len(a)] for k, a, m in state.target],
+        "block_size": state.block_size, "draft_window": state.draft_window, "layout": {"target": [[k, m, len(a)] for k, a, m in state.target],
                                                    "drafter": [[k, m, len(a)] for k, a, m in state.drafter]},
         "checksums": {name: _checksum(a) for name, a in arrays.items()}, "extra": extra or {},
     }
@@ -147,6 +149,7 @@ def _check_fields(header: dict[str, Any]) -> None:
     layout, sums = header.get("layout"), header.get("checksums")
     checks = {"window": header.get("window") is None or is_int(header.get("window")),
               "sinks": is_int(header.get("sinks")), "block_size": is_int(header.get("block_size")),
+              "draft_window": is_int(header.get("draft_window", 0)),
               "extra": isinstance(header.get("extra"), dict),
               "layout": isinstance(layout, dict) and all(is_layers(layout.get(part)) for part in ("target", "drafter")),
               "checksums": isinstance(sums, dict) and all(is_int(v) for v in sums.values())}
@@ -200,7 +203,7 @@ def read_state(path: Path, print_: str) -> tuple[CacheState, dict[str, Any]]:
                 for i, (kind, meta, n) in enumerate(header["layout"][part])]
 
     state = CacheState(tokens, layers("target", "t"), layers("drafter", "d"), arrays.get("context"), header["window"],
-                       header["sinks"], header["block_size"])
+                       header["sinks"], header["block_size"], header.get("draft_window", 0))
     return state, header["extra"]
 
 

@@ -177,7 +177,9 @@ def prefill_steps(
     is ever built. Each chunk is committed as it goes, so an interrupted prefill
     leaves the chunks before it in the cache and the next call resumes there. The
     previous chunk's features enter the drafter's context as the next chunk runs;
-    the last chunk's stay pending for the first draft. A server runs other
+    the last chunk's stay pending for the first draft. With a drafter window the
+    features wait instead: the cache keeps only those the window still sees, so the
+    drafter runs over the prompt's last positions only. A server runs other
     requests' cycles between the chunks.
     """
     total = len(prompt)
@@ -188,7 +190,8 @@ def prefill_steps(
     for start, end in zip(starts, starts[1:] + [total]):
         ids = prompt[start:end]
         with mx.stream(generation_stream):
-            cache.absorb_context(drafter)
+            if cache.reach is None:
+                cache.absorb_context(drafter)
             logits, features = target(mx.array(ids)[None], cache.target, last_logits_only=True, undoable=False)
             cache.commit(ids, features)
         mx.eval(logits, [c.state for c in cache.target + cache.drafter], cache.context)

@@ -136,6 +136,12 @@ def stream_generate(
     or ``window // 16`` with a window: a chunk attends over ``window + chunk``
     positions, so small chunks keep a long prompt's peak memory within a few
     percent of a prompt that just fills the window.
+
+    ``draft_window`` bounds the drafter's context alone (agent-sized prompts): it
+    attends to the last ``draft_window`` positions while the target keeps its whole
+    context (or its ``window``), and a long prompt's head never runs through it.
+    None: the drafter's default (``Drafter.context_window``, a bundle's own); 0: its
+    whole context. Drafts change, the output does not.
     """
     decoding, asked = keyword_settings(**settings)
     request = setup(target, drafter, tokenizer, prompt, decoding, asked, cache=cache, policy=policy)
@@ -163,13 +169,15 @@ def keyword_settings(
     kv_bits: Optional[int] = None,
     kv_group_size: int = KVQuantization.group_size,
     quantized_kv_start: int = KVQuantization.start,
+    draft_window: Optional[int] = CacheLayout.draft_window,
 ) -> tuple[DecodeSettings, RequestSettings]:
     """:func:`stream_generate`'s (and :func:`batch_generate`'s) keywords, mlx-lm's names, as the settings objects
     a generation runs with; each is checked as it is built."""
     sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
     eos = None if eos_token_ids is None else frozenset(eos_token_ids)
     asked = RequestSettings(max_tokens, sampling, stop_list(stop), logprobs, tuple(logits_processors or ()), eos)
-    layout = CacheLayout(window, sinks, block_size, KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start))
+    layout = CacheLayout(window, sinks, block_size, KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start),
+                         draft_window)
     return DecodeSettings(layout, prefill_step_size, draft_source), asked
 
 
@@ -225,7 +233,8 @@ def _matching_cache(cache: Optional[DFlashCache], target: Target, drafter: Draft
     if cache is None:
         return DFlashCache.empty(target, drafter, layout)
     cache.check_pair(target, drafter)
-    if (cache.window, cache.sinks, cache.block_size) != (layout.window, layout.sinks, layout.block_size):
+    if (cache.window, cache.sinks, cache.block_size, cache.draft_window) != (
+            layout.window, layout.sinks, layout.block_size, layout.draft_window):
         raise DFlashError(f"cache was made for {cache.layout.describe()}; this call uses {layout.describe()}")
     if cache.kv != layout.kv:
         raise DFlashError(f"cache was made for kv={cache.kv}; this call uses kv={layout.kv} (make_cache's kv, the "
@@ -248,7 +257,7 @@ def _default_policy(
         return FixedBlock(block_size, COPY)  # type: ignore[arg-type]
     if pinned or reproducible:
         return FixedBlock(block_size)  # type: ignore[arg-type]
-    return adaptive_policy(target, drafter, layout.window, block_size, copies=draft_source == AUTO,
+    return adaptive_policy(target, drafter, (layout.window, layout.draft_window), block_size, copies=draft_source == AUTO,
                            drafts=not alone)
 
 

@@ -487,8 +487,8 @@ def _bucket(plan: Plan) -> int:
 _shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()
 
 
-def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size: int, copies: bool = True,
-                    drafts: bool = True) -> AdaptiveDepth:
+def adaptive_policy(target: Any, drafter: Any, windows: tuple[Optional[int], int], block_size: int,
+                    copies: bool = True, drafts: bool = True) -> AdaptiveDepth:
     """The adaptive policy of this loaded pair and settings, shared by its generations in this process.
 
     What it measured (this machine's cycle costs for this model, the recent
@@ -496,7 +496,7 @@ def adaptive_policy(target: Any, drafter: Any, window: Optional[int], block_size
     loaded model, measures afresh. A sharded target's ranks agree on rank 0's costs.
     """
     per_target = _shared.setdefault(target, {})
-    key = (id(drafter), window, block_size, copies, drafts)
+    key = (id(drafter), windows, block_size, copies, drafts)  # windows: the target's and the drafter's
     if key not in per_target:
         group = getattr(target, "group", None)
         agree = None if group is None else functools.partial(from_main, g=group)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..models.caches import KVQuantization, check_block_size, check_kv, check_window
+from ..models.caches import FULL_CONTEXT, KVQuantization, check_block_size, check_draft_window, check_kv, check_window
 from ..sampling import Sampling
 from .policy import AUTO, check_source
 from .stops import stop_list
@@ -32,17 +32,31 @@ class CacheLayout:
     sinks: int = 0  # ... and, with a window, these first ones
     block_size: Optional[int] = None  # positions a verify takes at most; None: the drafter's block
     kv: Optional[KVQuantization] = None  # the target's KV cache quantized (--kv-bits), from kv.start tokens
+    # The drafter's context window (--draft-window): it attends to the last ``draft_window`` context positions, the
+    # target to all (or its ``window``). None: the drafter's own default; FULL_CONTEXT (0): all of them.
+    draft_window: Optional[int] = None
 
     def of_pair(self, target: Any, drafter: Any) -> CacheLayout:
-        """This layout checked against the pair, its block size resolved."""
+        """This layout checked against the pair, its block size and drafter window resolved."""
         block_size = drafter.block_size if self.block_size is None else self.block_size
         check_block_size(block_size, drafter)
         check_window(self.window, self.sinks, block_size)
         check_kv(self.kv, target, self.window)
-        return dataclasses.replace(self, block_size=block_size)
+        draft_window = getattr(drafter, "context_window", FULL_CONTEXT) if self.draft_window is None else self.draft_window
+        check_draft_window(draft_window, block_size)
+        return dataclasses.replace(self, block_size=block_size, draft_window=draft_window)
+
+    def drafter_window(self) -> tuple[Optional[int], int]:
+        """(window, sinks) of the drafter's context caches: the narrower of ``window`` and ``draft_window``; the
+        sinks only where the target's window is the drafter's."""
+        own = self.draft_window or None
+        if self.window is None or (own is not None and own < self.window):
+            return own, 0
+        return self.window, self.sinks
 
     def describe(self) -> str:
-        return f"window={self.window}, sinks={self.sinks}, block_size={self.block_size}"
+        return (f"window={self.window}, sinks={self.sinks}, block_size={self.block_size}, "
+                f"draft_window={self.draft_window}")
 
 
 @dataclass(frozen=True)

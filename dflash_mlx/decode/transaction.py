@@ -17,6 +17,7 @@ from ..errors import DFlashError
 from ..models.caches import (
     KVQuantization,
     LayerState,
+    WindowKVCache,
     layer_state,
     misfit,
     rewindable,
@@ -24,7 +25,7 @@ from ..models.caches import (
     set_layer_state,
     trim_to,
 )
-from .settings import CacheLayout
+from .settings import PREFILL_STEP, CacheLayout
 
 
 @dataclass
@@ -38,6 +39,7 @@ class CacheState:
     window: Optional[int]
     sinks: int
     block_size: int
+    draft_window: int = 0  # the layout's, resolved (0: the drafter's whole context)
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -50,8 +52,9 @@ class CacheState:
 
     @property
     def rewindable(self) -> bool:
-        """Whether the caches can go back to any point of the history (every layer full attention)."""
-        return rewindable_kinds(kind for kind, _, _ in self.target + self.drafter)
+        """Whether the caches can go back to any point of the history: every target layer full attention (the
+        drafter's context, windowed or not, is made again from the target where it cannot follow)."""
+        return rewindable_kinds(kind for kind, _, _ in self.target)
 
 
 @dataclass(eq=False)
@@ -60,7 +63,8 @@ class DFlashCache:
 
     Invariant between cycles: every target layer holds exactly ``tokens``; the
     drafter's context caches hold the features of all of them but the last
-    ``pending``, whose features wait in ``context`` for the next draft. Only the
+    ``pending``, whose features wait in ``context`` for the next draft (with a
+    drafter window, only those of positions it can still see: ``_prune``). Only the
     methods below move that state, each keeping the invariant: ``draft`` and
     ``absorb_context`` (the drafter takes the pending features), ``commit`` (a
     verified cycle or a prefill chunk), ``abandon`` (whatever an unfinished cycle
@@ -87,9 +91,10 @@ class DFlashCache:
         """Empty caches for generations of this pair with this layout (checked against the pair)."""
         layout = layout.of_pair(target, drafter)
         window, sinks, block_size = layout.window, layout.sinks, layout.block_size
+        draft_window, draft_sinks = layout.drafter_window()
 
         def fresh() -> tuple[list[Any], list[Any]]:
-            drafter_caches = drafter.make_cache(window, sinks, block_size) if block_size > 1 else []
+            drafter_caches = drafter.make_cache(draft_window, draft_sinks, block_size) if block_size > 1 else []
             return target.make_cache(window, sinks, slack=block_size), drafter_caches
 
         target_caches, drafter_caches = fresh()
@@ -110,6 +115,18 @@ class DFlashCache:
     @property
     def kv(self) -> Optional[KVQuantization]:
         return self.layout.kv
+
+    @property
+    def draft_window(self) -> int:
+        return self.layout.draft_window  # type: ignore[return-value]  (resolved when the cache was made)
+
+    @property
+    def reach(self) -> Optional[int]:
+        """How far back the next block sees the drafter's context: its widest layer window, where every layer has one
+        (and no sinks); None: to the beginning."""
+        if not self.drafter or not all(isinstance(c, WindowKVCache) and not c.sinks for c in self.drafter):
+            return None
+        return max(c.window for c in self.drafter)
 
     @property
     def nbytes(self) -> int:
@@ -157,8 +174,11 @@ class DFlashCache:
         try:
             trim_to(self.target, n)
             if n < held:
-                trim_to(self.drafter, n)
-                self.context = None
+                try:
+                    trim_to(self.drafter, n)
+                    self.context = None
+                except (RuntimeError, ValueError):  # a window ring cannot return that far: made again
+                    self._refill_drafter(n)
             elif self.context is not None:
                 self.context = self.context[:, : n - held] if n > held else None
             del self.tokens[n:]
@@ -166,6 +186,28 @@ class DFlashCache:
             self.reset()
         if not self.tokens:
             self.reset()
+
+    def _refill_drafter(self, n: int) -> None:
+        """The drafter's context caches made anew for the first ``n`` tokens of the history: the target computes the
+        features of the positions the next block sees again, on copies of its caches (its own are left as they
+        are), and they wait as pending features. Costs the target at most ``reach`` positions, against a prefill
+        of all ``n`` that a cache starting over pays."""
+        target, drafter = self.pair
+        fresh_target, self.drafter = self.fresh()
+        reach = self.reach
+        start = 0 if reach is None else max(0, n - reach + 1)
+        for c in self.drafter:
+            c.skip(start)
+        copies = [set_layer_state(c, layer_state(t)) for c, t in zip(fresh_target, self.target)]
+        trim_to(copies, start)
+        self.context = None
+        for first in range(start, n, PREFILL_STEP):
+            ids = self.tokens[first : min(n, first + PREFILL_STEP)]
+            self.absorb_context(drafter)
+            _, features = target(mx.array(ids)[None], copies, last_logits_only=True, undoable=False)
+            self._parts.append(features)
+            self._pending += len(ids)
+            mx.eval(features, [c.state for c in self.drafter])
 
     def check_pair(self, target: Any, drafter: Any) -> None:
         """Refuse to serve another pair: one of the same shapes would run on these caches and answer wrongly."""
@@ -204,9 +246,20 @@ class DFlashCache:
         if self.drafter:
             self._parts.append(features)
             self._pending += features.shape[1]
+            self._prune()
         if self.kv is not None and len(self.tokens) >= self.kv.start:
             self.target = [c.to_quantized(self.kv.group_size, self.kv.bits) if type(c) is KVCache else c
                            for c in self.target]
+
+    def _prune(self) -> None:
+        """Drop the pending features no block can see any more (beyond the drafter's window from the next block's
+        first row, at ``len(tokens)``): a long prompt's head is never run through the drafter."""
+        reach = self.reach
+        unseen = 0 if reach is None else self._pending - reach + 1
+        if unseen > 0:
+            self.context = self.context[:, unseen:]
+            for c in self.drafter:
+                c.skip(unseen)
 
     def room(self) -> Optional[int]:
         """The most positions the next block may take: up to where the KV cache turns quantized, if it is still
@@ -247,21 +300,24 @@ class DFlashCache:
 
     @property
     def rewindable(self) -> bool:
-        """Whether the caches can return to any point of their history (else only to where a snapshot was kept)."""
-        return rewindable(self.target + self.drafter)
+        """Whether the caches can return to any point of their history (else only to where a snapshot was kept):
+        the target's can (the drafter's context is made again where it cannot follow, ``_refill_drafter``)."""
+        return rewindable(self.target)
 
     def snapshot(self) -> CacheState:
         """What the caches hold now (between cycles or prefill chunks), kept apart from them."""
         context = self.context
         return CacheState(list(self.tokens), [layer_state(c) for c in self.target], [layer_state(c) for c in self.drafter],
-                          None if context is None else context[...], self.window, self.sinks, self.block_size)
+                          None if context is None else context[...], self.window, self.sinks, self.block_size,
+                          self.draft_window)
 
     def restore(self, state: CacheState) -> None:
         """Take over a snapshot's history (a generation in flight loses the cache); refused if it does not fit."""
-        if (state.window, state.sinks, state.block_size) != (self.window, self.sinks, self.block_size):
+        if (state.window, state.sinks, state.block_size, state.draft_window) != (
+                self.window, self.sinks, self.block_size, self.draft_window):
             raise DFlashError(f"the snapshot was taken with window={state.window}, sinks={state.sinks}, "
-                              f"block_size={state.block_size}; this cache uses window={self.window}, "
-                              f"sinks={self.sinks}, block_size={self.block_size}")
+                              f"block_size={state.block_size}, draft_window={state.draft_window}; this cache uses "
+                              f"{self.layout.describe()}")
         target, drafter = self.fresh()
         if len(state.target) != len(target) or len(state.drafter) != len(drafter):
             raise DFlashError("the snapshot was taken of another model's caches (their layers differ)")
@@ -336,7 +392,8 @@ def _reference(cache: DFlashCache) -> tuple[list[LayerState], list[LayerState], 
 def make_cache(
     target: Any, drafter: Any, window: Optional[int] = CacheLayout.window, sinks: int = CacheLayout.sinks,
     block_size: Optional[int] = CacheLayout.block_size, kv: Optional[KVQuantization] = CacheLayout.kv,
+    draft_window: Optional[int] = CacheLayout.draft_window,
 ) -> DFlashCache:
     """Empty caches for generations of this pair with these settings (see ``stream_generate``); ``kv``: the
     target's KV cache quantized as mlx-lm's ``--kv-bits`` does."""
-    return DFlashCache.empty(target, drafter, CacheLayout(window, sinks, block_size, kv))
+    return DFlashCache.empty(target, drafter, CacheLayout(window, sinks, block_size, kv, draft_window))

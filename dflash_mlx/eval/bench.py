@@ -96,6 +96,7 @@ def measure(
     draft_source: str = "auto",
     window: Optional[int] = None,
     sinks: int = 0,
+    draft_window: Optional[int] = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -108,7 +109,8 @@ def measure(
     """One record per prompt (per turn for multi-turn conversations), after a warm-up of both paths. ``kv``:
     mlx-lm's ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start``, for both paths alike."""
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    dflash_kwargs = dict(block_size=block_size, draft_source=draft_source, window=window, sinks=sinks, **sampling, **kv)
+    dflash_kwargs = dict(block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
+                         draft_window=draft_window, **sampling, **kv)
     paths: dict[str, Run] = {
         "plain": lambda ids, n=max_tokens: _plain(target, ids, n, window, sinks, **sampling, **kv),
         "dflash": lambda ids, n=max_tokens: _dflash(target, drafter, tokenizer, ids, max_tokens=n, **dflash_kwargs),

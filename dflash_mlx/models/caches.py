@@ -5,7 +5,9 @@ copies the whole window on every update. ``WindowKVCache`` keeps a ring of
 ``window + slack`` slots (plus ``sinks`` slots that are never evicted) and writes
 new keys in place. Because rolled-back tokens only ever overwrite slots whose
 positions have already left every future query's window, undoing up to ``slack``
-tokens is just moving the offset back, at any fill state.
+tokens is just moving the offset back, at any fill state. A drafter's context ring may also
+``skip`` positions that no future query's window reaches (a long prompt's head): they are never
+computed, and no rollback goes back to where they would show.
 
 Attention semantics: the query at absolute position q sees the sink positions
 ``[0, sinks)`` and the positions ``(q - window, q]``. Keys are stored after RoPE
@@ -39,6 +41,20 @@ def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> 
         raise DFlashError(f"sinks must be >= 0, got {sinks}")
     if sinks >= window:
         raise DFlashError(f"sinks ({sinks}) must be smaller than the window ({window})")
+
+
+FULL_CONTEXT = 0  # ``draft_window`` for a drafter that attends to its whole context
+
+
+def check_draft_window(draft_window: Optional[int], block_size: int = 1) -> None:
+    """A drafter window holds at least a block (0: the whole context)."""
+    if draft_window is None:
+        return
+    if isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 0:
+        raise DFlashError(f"draft window must be an integer >= 0 (0: the whole context), got {draft_window!r}")
+    if draft_window != FULL_CONTEXT and draft_window < block_size:
+        raise DFlashError(f"draft window ({draft_window}) must be at least the block size ({block_size}), "
+                          "or 0 for the whole context")
 
 
 def check_block_size(block_size: int, drafter: Any) -> None:
@@ -120,6 +136,7 @@ class WindowKVCache(_BaseCache):
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.offset = 0  # absolute position of the next token
+        self.first = 0  # the oldest non-sink position whose keys the ring still holds (older: overwritten or skipped)
 
     # -- slot bookkeeping -------------------------------------------------
     def _slot(self, pos: int) -> int:
@@ -163,6 +180,7 @@ class WindowKVCache(_BaseCache):
     def _write(self, keys: mx.array, values: mx.array, first: int) -> None:
         """Store positions ``first .. first + L - 1`` in their slots (at most two slices per kind)."""
         L = keys.shape[2]
+        self.first = max(self.first, first + L - self.ring)  # the positions these slots held are gone
         pos, i = first, 0
         while i < L:
             slot = self._slot(pos)
@@ -186,6 +204,7 @@ class WindowKVCache(_BaseCache):
             return self.keys[..., :n, :], self.values[..., :n, :]
         # Large update (a prefill chunk): attend over [buffer ; new], then keep what fits.
         n = self._stored(start)
+        self._grow(keys, values, n)  # after a skip the buffer may not reach the slots its offset names yet
         if n:
             all_k = mx.concatenate([self.keys[..., :n, :], keys], axis=2)
             all_v = mx.concatenate([self.values[..., :n, :], values], axis=2)
@@ -252,17 +271,26 @@ class WindowKVCache(_BaseCache):
             cache._write(keys[..., : min(sinks, length), :], values[..., : min(sinks, length), :], 0)
         if first < length:
             cache._write(keys[..., first:, :], values[..., first:, :], first)
-        cache.offset = length
+        cache.offset, cache.first = length, first
         return cache
+
+    def skip(self, n: int) -> None:
+        """Advance ``n`` positions without keys: positions no future query sees (the caller's promise), such as the
+        head of a long prompt beyond a drafter's window. No rollback returns to where they, or earlier ones, would
+        be seen."""
+        self.offset += n
+        self.first = max(self.first, self.offset)
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
-        """Undo the last ``n`` tokens; exact for ``n <= slack`` at any fill state."""
-        if n > self.slack:
-            raise ValueError(f"WindowKVCache can roll back at most {self.slack} tokens, asked {n}")
+        """Undo the last ``n`` tokens, as far back as every position a query there sees is still held: ``slack``
+        tokens after a write at any fill state (less after a ``skip``, more while the ring has not wrapped)."""
         n = min(self.offset, n)
+        end = self.offset - n
+        if max(self.sinks, end - self.window + 1) < min(end, self.first):  # a position a query at ``end`` sees
+            raise ValueError(f"WindowKVCache cannot roll back {n} tokens: it no longer holds what a query there sees")
         self.offset -= n
         return n
 
@@ -279,11 +307,11 @@ class WindowKVCache(_BaseCache):
 
     @property
     def meta_state(self):
-        return tuple(map(str, (self.window, self.sinks, self.slack, self.offset)))
+        return tuple(map(str, (self.window, self.sinks, self.slack, self.offset, self.first)))
 
     @meta_state.setter
     def meta_state(self, v):
-        self.window, self.sinks, self.slack, self.offset = map(int, v)
+        self.window, self.sinks, self.slack, self.offset, self.first = map(int, v)
         self.ring = self.window + self.slack
 
     def empty(self) -> bool:
@@ -359,7 +387,8 @@ def layer_state(c: Any) -> LayerState:
     if isinstance(c, WindowKVCache):
         n = c._stored(c.offset)
         arrays = [] if c.keys is None else [c.keys[..., :n, :], c.values[..., :n, :]]
-        return "window", arrays, {"window": c.window, "sinks": c.sinks, "slack": c.slack, "offset": c.offset}
+        return "window", arrays, {"window": c.window, "sinks": c.sinks, "slack": c.slack, "offset": c.offset,
+                                  "first": c.first}
     if isinstance(c, RecurrentCache):
         return "recurrent", [a[...] for a in c.cache if a is not None], {"offset": c.offset}
     if isinstance(c, KVCache):
@@ -415,6 +444,7 @@ def set_layer_state(c: Any, state: LayerState) -> Any:
         if (meta["window"], meta["sinks"], meta["slack"]) != (c.window, c.sinks, c.slack):
             raise ValueError("window settings differ")
         c.keys, c.values = arrays if arrays else (None, None)
+        c.first = meta.get("first", max(0, meta["offset"] - c.ring))  # a file from before skips: what a ring held
     elif kind == "recurrent":
         c.cache = arrays if arrays else [None, None]
         c.replay, c.last_update = None, 0

@@ -26,6 +26,8 @@ from mlx.utils import tree_flatten
 
 from .. import __version__
 from ..errors import DFlashError
+from .caches import check_draft_window
+from .drafter import DRAFT_WINDOW
 from .loader import cast_floats, check_pair, check_target_folder, is_drafter, load_drafter, resolve
 from .registry import MANIFEST, check_bundle, is_bundle, remember_bundle
 from .registry import resolve as registry_resolve
@@ -112,9 +114,12 @@ def convert(
     quantize_fc: bool = False,
     force: bool = False,
     log: Callable[[str], None] = lambda message: None,
+    draft_window: Optional[int] = None,
 ) -> Path:
-    """Write the bundle for ``source`` (registry name, drafter repo or folder) to ``out``; return its path."""
+    """Write the bundle for ``source`` (registry name, drafter repo or folder) to ``out``; return its path.
+    ``draft_window``: the drafter context window its commands use by default (None: this version's default)."""
     _check_options(quantize, dtype, draft_quantize, q_group_size)
+    check_draft_window(draft_window)
     out_path = Path(out).expanduser().resolve()
     if out_path.exists() and not force:
         raise DFlashError(f"{out_path} already exists; pass --force to replace it")
@@ -125,9 +130,9 @@ def convert(
         if not is_gguf(local):
             raise DFlashError(f"{source} is a file but not a GGUF model; convert takes a .gguf file, a drafter "
                               "(registry name, repo or folder) or a bundle")
-        if target is not None:
-            raise DFlashError("--target is for a drafter; a GGUF file converts alone (train a drafter for it with "
-                              "`dflash-mlx train`)")
+        if target is not None or draft_window is not None:
+            raise DFlashError(f"{'--target' if target is not None else '--draft-window'} is for a drafter; a GGUF file "
+                              "converts alone (train a drafter for it with `dflash-mlx train`)")
         return convert_gguf(local, out_path, quantize, q_group_size, dtype, log)
     draft, target = _pair_sources(source, target)
     draft_path = resolve(draft, "drafter")
@@ -157,6 +162,7 @@ def convert(
             "target_parameters": _parameter_count(target_path),
             "dtype": dtype, "quantize": quantize, "q_group_size": q_group_size,
             "draft_quantize": draft_quantize, "quantize_fc": quantize_fc,
+            "draft_window": DRAFT_WINDOW if draft_window is None else draft_window,
         }
         _write_manifest(tmp, manifest)
         _publish(tmp, out_path)

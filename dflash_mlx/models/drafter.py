@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 Cache = Union[KVCache, WindowKVCache]
 
+# How many context positions a drafter attends to unless its bundle or the caller says otherwise (0: all of them).
+# The published drafters are trained on short contexts; see the README's "long prompts" for the measurement.
+DRAFT_WINDOW = 0
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -259,6 +262,7 @@ class Drafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.layers = [self.decoder_layer(args, args.layer_window(i)) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.context_window = DRAFT_WINDOW  # a bundle's own, once loaded from one
 
     @property
     def block_size(self) -> int:

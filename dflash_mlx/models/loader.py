@@ -17,7 +17,7 @@ from .. import distributed
 from ..errors import DFlashError, DownloadError
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from .drafter import Drafter, DrafterArgs, NoDrafter
-from .registry import check_bundle, is_bundle
+from .registry import check_bundle, is_bundle, read_manifest
 from .registry import resolve as registry_resolve
 from .target import Target, check_model_type
 
@@ -293,7 +293,8 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
     """
     bundle = Path(draft).expanduser()
     check_bundle(bundle)
-    if is_bundle(bundle):
+    manifest = read_manifest(bundle) if is_bundle(bundle) else {}
+    if manifest:
         draft, target = str(bundle / "draft"), target or str(bundle / "target")
     else:
         draft, target, _ = registry_resolve(draft, target)
@@ -315,6 +316,7 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
         check_pair(tgt, drafter)
         drafter.update(cast_floats(drafter.parameters(), tgt.dtype))
         mx.eval(drafter.parameters())
+        drafter.context_window = manifest.get("draft_window", drafter.context_window)
     return tgt, drafter, tokenizer
 
 

@@ -112,7 +112,7 @@ class PromptCache:
             except (OSError, ValueError) as e:
                 log.warning("prompt cache: ignoring %s: %s", path, e)
                 continue
-            rewindable = rewindable_kinds(kind for kind, _, _ in header["layout"]["target"] + header["layout"]["drafter"])
+            rewindable = rewindable_kinds(kind for kind, _, _ in header["layout"]["target"])  # (the drafter follows)
             self.entries.append(Entry(tokens, None, rewindable, self._tick(), path, stat.st_size))
         self._writes = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="dflash-mlx prompt cache", daemon=True)
