@@ -12,11 +12,12 @@ from dflash_mlx.eval.replay import CostProfile, Trace
 from dflash_mlx.sampling import Sampling
 
 
-def _positions(target, drafter, tokenizer, ids, max_tokens, block_size, sampling=Sampling()):
+def _positions(target, drafter, tokenizer, ids, max_tokens, block_size, sampling=Sampling(), draft_window=None):
     """(position, drafted, accepted) per drafting cycle; position p: the cycle starts after output[p]."""
     emitted, out = 0, []
     for r in stream_generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, block_size=block_size,
-                             eos_token_ids=[], temperature=sampling.temperature, seed=sampling.seed):
+                             eos_token_ids=[], temperature=sampling.temperature, seed=sampling.seed,
+                             draft_window=draft_window):
         if len(r.drafted):
             out.append((emitted - 1, list(r.drafted), r.accepted))
         emitted += len(r.tokens)
@@ -36,6 +37,21 @@ def test_recorded_drafts_are_the_decode_loops(pairs, pair):
             k = len(drafted)
             assert trace.drafts[p, k, :k].tolist() == drafted, (block, p)
             assert trace.accepted[p, k] == accepted
+
+
+def test_recorded_drafts_within_a_drafter_window_are_the_decode_loops(pairs):
+    """A trace recorded for a drafter window drafts as the decode loop does with that window, on a prompt much longer
+    than the window (its head pruned at inference, masked in the trace), and otherwise than the whole context."""
+    target, drafter, tokenizer = pairs["llama"]
+    ids = tokenizer.encode("the trace of a long prompt, " * 12)
+    window = 16
+    trace = traces.record(target, drafter, tokenizer, "w", ids, 24, draft_window=window)
+    whole = traces.record(target, drafter, tokenizer, "w", ids, 24, output=trace.output)
+    assert whole.output == trace.output and not np.array_equal(whole.drafts, trace.drafts)
+    for block in (3, drafter.block_size):
+        for p, drafted, accepted in _positions(target, drafter, tokenizer, ids, 24, block, draft_window=window):
+            assert trace.drafts[p, len(drafted), : len(drafted)].tolist() == drafted, (block, p)
+            assert trace.accepted[p, len(drafted)] == accepted
 
 
 def test_recorded_acceptance_of_a_drafter_that_agrees(looping):

@@ -165,11 +165,14 @@ class CostProfile:
 
     @classmethod
     def relative(cls, name: str, source: str, max_depth: int, plain_step: float, upkeep: float, drafter: float,
-                 per_token: float) -> "CostProfile":
-        """A profile from ratios to a plain step (one context length): t(0) = plain (1 + upkeep),
-        t(k) = plain (1 + drafter + per_token k)."""
-        cycle = [plain_step * (1 + upkeep)] + [plain_step * (1 + drafter + per_token * k) for k in range(1, max_depth + 1)]
-        return cls(name, source, [0], [plain_step], [cycle])
+                 per_token: float, per_token_growth: float = 0.0) -> "CostProfile":
+        """A profile from ratios to a plain step: t(0) = plain (1 + upkeep), t(k) = plain (1 + drafter + p(c) k),
+        where a verified position's share p(c) = per_token + per_token_growth * c grows with the context c (a
+        block's attention over it), the plain step staying as it is."""
+        contexts = [0] if not per_token_growth else [0, 1024, 2048, 4096, 8192, 16384, 32768]
+        cycles = [[plain_step * (1 + upkeep)] + [plain_step * (1 + drafter + (per_token + per_token_growth * c) * k)
+                                                 for k in range(1, max_depth + 1)] for c in contexts]
+        return cls(name, source, contexts, [plain_step] * len(contexts), cycles)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "source": self.source, "contexts": self.contexts, "plain": self.plain,
@@ -197,6 +200,16 @@ MAC_PROFILES = {
     # share (0.17), leaving per_token = (1.91 - 1 - 0.17) / 15 = 0.049. A small memory-bound model: depth is cheap.
     "m5max-4b-bf16": dict(plain_step=1 / 53.8, upkeep=0.0, drafter=0.17, per_token=0.049,
                           source="bstnxbt/dflash-mlx README (Qwen3.5-4B, 3.40x at 86%), M5 Max"),
+    # The same README, Qwen3.5-27B-4bit, 1,024 and 8,192 generated: 33.6 -> 79.0 tok/s at 90% per drafted token and
+    # 33.9 -> 45.3 at 86%: plain steps as quick at either length, block 16's cycle dearer with context. E[tokens] =
+    # 1 + sum_j a^j (j = 1..15) = 8.15 and 6.50, so t(15) = 8.15 / 2.351 = 3.47 plain steps at a mean context of
+    # about 512 and 6.50 / 1.336 = 4.87 at about 4,096. With the drafter's 0.17 as above, a verified position costs
+    # 0.153 plain steps at 512 and 0.247 at 4,096: 0.140 + 2.61e-5 per token of context, all of the growth put on
+    # the verify (the drafter's own attention over its context grows too; the figures do not split them).
+    "m5max-27b-4bit-long": dict(plain_step=1 / 33.6, upkeep=0.0, drafter=0.17, per_token=0.140,
+                                per_token_growth=2.61e-5,
+                                source="bstnxbt/dflash-mlx README (Qwen3.5-27B-4bit, 1,024 vs 8,192 generated), "
+                                       "M5 Max"),
 }
 
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..decode.generate import generate
+from ..decode.policy import FixedBlock
+from ..decode.settings import PREFILL_STEP
+from ..decode.transaction import make_cache
 from ..errors import DFlashError
 from ..files import write_atomic
 from ..models.drafter import Blocks, Drafter
@@ -31,12 +34,12 @@ ANCHORS_PER_PASS = 64  # blocks per drafter pass: bounds the [rows, context + ro
 
 
 def _drafts(drafter: Drafter, target: Target, features: mx.array, seq: list[int], anchors: np.ndarray, b: int,
-            sampling: Sampling) -> np.ndarray:
+            sampling: Sampling, window: Optional[int] = None) -> np.ndarray:
     """[len(anchors), b - 1]: the drafter's tokens for blocks [seq[anchor], MASK x (b - 1)]."""
     block = np.full((len(anchors), b), drafter.mask_token_id)
     block[:, 0] = np.asarray(seq)[anchors]
     embeddings = drafter.embed_blocks(target, mx.array(block.reshape(1, -1)))
-    h = drafter(embeddings, features, Blocks(anchors[None], features.shape[1], b))
+    h = drafter(embeddings, features, Blocks(anchors[None], features.shape[1], b, window))
     h = h.reshape(len(anchors), b, -1)[:, 1:]
     logits = drafter.compute_logits(target.lm_head(h)).astype(mx.float32)
     if sampling.greedy:
@@ -50,17 +53,26 @@ def _drafts(drafter: Drafter, target: Target, features: mx.array, seq: list[int]
 
 
 def record(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: list[int], max_tokens: int,
-           sampling: Sampling = Sampling()) -> Trace:
-    """The trace of one prompt: ``max_tokens`` of the target's own output and every depth's acceptance."""
+           sampling: Sampling = Sampling(), draft_window: Optional[int] = None,
+           output: Optional[list[int]] = None) -> Trace:
+    """The trace of one prompt: ``max_tokens`` of the target's own output and every depth's acceptance; drafts
+    within a drafter context window of ``draft_window`` positions (None or 0: the whole context). ``output``: the
+    target's own output, decoded already (one decode for traces of several windows)."""
     if type(drafter) is not Drafter:
         raise DFlashError("traces need a DFlash drafter (drafts of one pass per block)")
     if not sampling.greedy and sampling.seed is None:
         raise DFlashError("a sampled trace needs a seed (the target's draws are keyed by position)")
-    output = generate(target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=1, eos_token_ids=[],
-                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                      min_p=sampling.min_p, seed=sampling.seed, verify="match").tokens
+    if output is None:
+        output = generate(target, drafter, tokenizer, prompt, max_tokens=max_tokens, block_size=1, eos_token_ids=[],
+                          temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          min_p=sampling.min_p, seed=sampling.seed, verify="match").tokens
     seq = prompt + output
-    _, features = target(mx.array(seq)[None], target.make_cache(), last_logits_only=True)
+    cache, parts = target.make_cache(), []
+    for start in range(0, len(seq), PREFILL_STEP):  # chunks: no [heads, L, L] scores for an agent-sized prompt
+        parts.append(target(mx.array(seq[start : start + PREFILL_STEP])[None], cache, last_logits_only=True,
+                            undoable=False)[1])
+        mx.eval(parts[-1])
+    features = mx.concatenate(parts, axis=1)
     n, B = len(output), drafter.block_size
     labels = np.full((n - 1, B - 1), -1)
     for p in range(n - 1):
@@ -72,7 +84,7 @@ def record(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: 
     for b in range(2, B + 1):
         for start in range(0, n - 1, ANCHORS_PER_PASS):
             rows = slice(start, start + ANCHORS_PER_PASS)
-            drafted = _drafts(drafter, target, features, seq, anchors[rows], b, sampling)
+            drafted = _drafts(drafter, target, features, seq, anchors[rows], b, sampling, draft_window or None)
             drafts[rows, b - 1, : b - 1] = drafted
             accepted[rows, b - 1] = np.cumprod(drafted == labels[rows, : b - 1], axis=1).sum(1)
     return Trace(name, prompt, output, drafts, accepted)
@@ -103,11 +115,13 @@ def measure_costs(target: Target, drafter: Drafter, tokenizer: Any, contexts: li
     """This machine's seconds per cycle at each depth and context length, and mlx-lm's plain step's.
 
     A cycle's time is its share of a generation's decode time at a fixed depth
-    (``block_size = k + 1``, ``2 * steps`` tokens: ``steps`` to ``2 * steps`` cycles, as
+    (``FixedBlock(k + 1)``, ``2 * steps`` tokens: ``steps`` to ``2 * steps`` cycles, as
     many as the drafts leave), median of ``repeats`` runs, the depths in interleaved
-    order. The prompt is natural text cut to the context length.
+    order. The prompt is natural text cut to the context length, prefilled once per
+    context for every run (a cache that each run returns to the prompt).
     """
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import trim_prompt_cache
 
     from .prompts import context_prompts
 
@@ -117,16 +131,20 @@ def measure_costs(target: Target, drafter: Drafter, tokenizer: Any, contexts: li
         ids = context_prompts(tokenizer, [context], target.max_positions)[0].token_ids
         per_depth: list[list[float]] = [[] for _ in range(B)]
         per_plain: list[float] = []
+        cache, plain_cache = make_cache(target, drafter), target.make_cache()
+        for start in range(0, len(ids) - 1, PREFILL_STEP):  # mlx-lm's cache over the prompt but its last token, once
+            target.model(mx.array(ids[start : min(start + PREFILL_STEP, len(ids) - 1)])[None], cache=plain_cache)
+            mx.eval([c.state for c in plain_cache])
         for _ in range(repeats):
             for k in range(B):
-                r = generate(target, drafter, tokenizer, ids, max_tokens=2 * steps + 1, block_size=k + 1,
-                             eos_token_ids=[])
+                r = generate(target, drafter, tokenizer, ids, max_tokens=2 * steps + 1, policy=FixedBlock(k + 1),
+                             eos_token_ids=[], cache=cache)
                 decode_seconds = (len(r.tokens) - 1) / r.generation_tps if r.generation_tps else 0.0
                 per_depth[k].append(decode_seconds / max(r.cycles, 1))
             stamps = []
-            for _ in generate_step(mx.array(ids), target.model, max_tokens=steps + 1,
-                                   prompt_cache=target.make_cache()):
+            for _ in generate_step(mx.array(ids[-1:]), target.model, max_tokens=steps + 1, prompt_cache=plain_cache):
                 stamps.append(time.perf_counter())
+            trim_prompt_cache(plain_cache, plain_cache[0].offset - (len(ids) - 1))
             per_plain.append((stamps[-1] - stamps[0]) / steps)
         plain.append(float(np.median(per_plain)))
         cycle.append([float(np.median(v)) for v in per_depth])

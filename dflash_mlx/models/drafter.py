@@ -145,10 +145,13 @@ class Blocks:
     anchors: np.ndarray
     context_len: int
     block_size: int
+    window: Optional[int] = None  # a context window over every layer (a drafter window: ``CacheLayout.draft_window``)
     _masks: dict[Optional[int], mx.array] = field(default_factory=dict, repr=False)
 
     def mask(self, window: Optional[int]) -> mx.array:
-        """[S, 1, N*B, L + N*B] for a layer with this window (None: full attention)."""
+        """[S, 1, N*B, L + N*B] for a layer with this window (None: full attention), within ``self.window``."""
+        if self.window is not None:
+            window = self.window if window is None else min(window, self.window)
         if window not in self._masks:
             masks = [block_mask(a, self.context_len, self.block_size, window) for a in self.anchors]
             self._masks[window] = mx.array(np.stack(masks))[:, None]

@@ -1,0 +1,288 @@
+"""Speculation against context depth on the real pair: agent-sized prompts of real text, with and without a drafter
+context window.
+
+Prompts of about 256, 1k, 2k, 4k and 8k tokens (SmolLM2 holds 8,192 positions: the deepest is 8,000) of three kinds,
+each followed by a request, through the chat template: a source file (Python's own ``argparse.py``), a long
+conversation (questions about standard-library functions answered with their docstrings) and a tool's output (a
+``grep -n "def "`` over standard-library packages). Python's own files, so every machine with the same Python builds
+the same prompts.
+
+At each depth and kind, side by side in one process (BLAS named first):
+  - plain: mlx-lm's decoding of the same target; its prefill is the baseline of the prefill ratios;
+  - the drafter at full blocks (``--block-size 16``) with its whole context and with windows of 512, 1k, 2k and 4k
+    positions (a window as long as the prompt or longer is the whole context: not run again);
+  - auto: the default settings (the adaptive policy, the default drafter window);
+  each decode's tokens compared with plain's, tok/s as the ratio to plain, and the prefill's time to mlx-lm's.
+Then, without timing, a trace of every depth, kind and window (``eval.traces``): the acceptance of each draft position
+at full blocks, and the policies replayed on them under this machine's costs measured at each depth and under the
+Mac profiles (estimates, from published figures): auto against plain and the best fixed depth at every depth, one
+policy carried from the shallowest prompts to the deepest as one process serves them.
+
+    python bench/depth.py [--depths 256,1024,2048,4096,8000] [--windows 0,512,1024,2048,4096] [--max-tokens 64]
+                          [--kinds file,conversation,tool] [--repeats 1] [--no-timing] [--no-traces]
+"""
+
+from __future__ import annotations
+
+from common import CACHE, plain, print_machine  # re-execs with OpenBLAS first
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sysconfig  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dflash_mlx  # noqa: E402
+from dflash_mlx.chat_template import render  # noqa: E402
+from dflash_mlx.decode.policy import AdaptiveDepth  # noqa: E402
+from dflash_mlx.eval import replay, traces  # noqa: E402
+from dflash_mlx.eval.replay import CostProfile, Trace  # noqa: E402
+
+PAIR = CACHE / "smollm2" / "bundle"
+OUT = CACHE / "traces" / "depth"
+LIB = Path(sysconfig.get_paths()["stdlib"])
+REQUESTS = {
+    "file": "Summarize what the file above does, then name its three most important classes.",
+    "conversation": "Thanks. Of all the functions we discussed, which would you use to read a settings file, and why?",
+    "tool": "Which of the functions above handle errors? Name five and say what each does.",
+}
+
+
+def _file_body() -> list[str]:
+    return ["Here is a file from our repository:\n\n```python\n", (LIB / "argparse.py").read_text(), "\n```\n\n"]
+
+
+def _docstring_turns() -> list[tuple[str, str]]:
+    """(question, answer) pairs: a standard-library function and its docstring."""
+    import collections as c
+    import functools
+    import itertools
+    import json as j
+    import os
+    import re
+    import shutil
+    import textwrap
+
+    turns = []
+    for module in (j, os.path, re, textwrap, shutil, functools, itertools, c):
+        for name, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if callable(obj) and not name.startswith("_") else None
+            if doc and len(doc) > 80:
+                turns.append((f"What does `{module.__name__}.{name}` do?", doc))
+    return turns
+
+
+def _tool_body() -> list[str]:
+    lines = []
+    for package in ("json", "email", "http", "logging", "xml", "importlib", "concurrent", "urllib"):
+        for path in sorted((LIB / package).rglob("*.py")):
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if line.lstrip().startswith("def "):
+                    lines.append(f"{path.relative_to(LIB)}:{n}:{line}\n")
+    return ['I ran `grep -rn "def " json email http logging xml importlib concurrent urllib` and got:\n\n```\n',
+            "".join(lines), "```\n\n"]
+
+
+def build_prompt(tokenizer, kind: str, depth: int) -> list[int]:
+    """The longest prompt of this kind within ``depth`` tokens (its body cut by characters, found by bisection)."""
+    if kind == "conversation":
+        turns = _docstring_turns()
+
+        def messages(chars: int) -> list[dict]:
+            out, left = [], chars
+            for question, answer in turns:
+                if left <= 0:
+                    break
+                out += [{"role": "user", "content": question}, {"role": "assistant", "content": answer[:left]}]
+                left -= len(question) + len(answer)
+            return out + [{"role": "user", "content": REQUESTS[kind]}]
+
+        total = sum(len(q) + len(a) for q, a in turns)
+    else:
+        head, body, tail = _file_body() if kind == "file" else _tool_body()
+
+        def messages(chars: int) -> list[dict]:
+            return [{"role": "user", "content": head + body[:chars] + tail + REQUESTS[kind]}]
+
+        total = len(body)
+    lo, hi = 0, total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(render(tokenizer, messages(mid))) <= depth:
+            lo = mid
+        else:
+            hi = mid - 1
+    ids = render(tokenizer, messages(lo))
+    assert len(ids) <= depth and (lo < total or depth > len(ids)), (kind, depth, len(ids))
+    return ids
+
+
+def run_dflash(target, drafter, tokenizer, ids: list[int], max_tokens: int, **settings) -> dict:
+    mx.clear_cache()
+    r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, eos_token_ids=[], **settings)
+    return {"tokens": r.tokens, "decode": r.generation_tps, "prefill": r.prompt_tps, "tau": r.tau,
+            "depths": r.depth_histogram}
+
+
+def run_plain(target, tokenizer, ids: list[int], max_tokens: int) -> dict:
+    mx.clear_cache()
+    tokens, decode, prefill = plain(target.model, ids, max_tokens, tokenizer=tokenizer)
+    return {"tokens": tokens, "decode": decode, "prefill": prefill}
+
+
+def median_runs(runs: list[dict]) -> dict:
+    assert all(r["tokens"] == runs[0]["tokens"] for r in runs), "a path gave other tokens on a rerun"
+    return {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
+
+
+def timing(target, drafter, tokenizer, prompts: dict, windows: list[int], max_tokens: int, repeats: int,
+           default_window: int) -> dict:
+    """The side-by-side table; the plain tokens of every prompt (the traces' outputs)."""
+    names = ["plain", *(f"w{w}" for w in windows), "auto"]
+    print(f"\ndecode tok/s ratio to plain (tau at full blocks), {max_tokens} tokens; prefill time over mlx-lm's; "
+          f"auto: adaptive, drafter window {default_window or 'whole'}; '=': the whole context (window >= prompt)")
+    print(f"{'depth':>6} {'kind':>12} {'plain':>6} | " + " ".join(f"{_label(w):>11}" for w in windows)
+          + f" | {'auto':>5} | {'prefill':>13} | same")
+    outputs = {}
+    for (depth, kind), ids in prompts.items():
+        paths: dict[str, Callable[[], dict]] = {"plain": lambda: run_plain(target, tokenizer, ids, max_tokens)}
+        for w in windows:
+            if w == 0 or w < len(ids):
+                paths[f"w{w}"] = lambda w=w: run_dflash(target, drafter, tokenizer, ids, max_tokens, block_size=16,
+                                                        draft_window=w)
+        paths["auto"] = lambda: run_dflash(target, drafter, tokenizer, ids, max_tokens)
+        runs = collections.defaultdict(list)
+        for r in range(repeats):
+            order = [n for n in names if n in paths]
+            for name in order if r % 2 == 0 else order[::-1]:
+                runs[name].append(paths[name]())
+        got = {name: median_runs(rs) for name, rs in runs.items()}
+        p = got["plain"]
+        outputs[depth, kind] = p["tokens"]
+        same = all(g["tokens"] == p["tokens"] for g in got.values())
+        cells = []
+        for w in windows:
+            g = got.get(f"w{w}")
+            cells.append(f"{'=':>11}" if g is None else f"{g['decode'] / p['decode']:>5.2f} ({g['tau']:>3.1f})")
+        auto, whole = got["auto"], got["w0"]
+        print(f"{len(ids):>6} {kind:>12} {p['decode']:>6.1f} | " + " ".join(cells)
+              + f" | {auto['decode'] / p['decode']:>5.2f} | {p['prefill'] / whole['prefill']:>5.2f} "
+              f"{p['prefill'] / auto['prefill']:>5.2f}w | {'OK' if same else 'MISMATCH'}", flush=True)
+    print("(prefill: the drafter's whole context, then auto's window 'w': time over mlx-lm's for the same prompt)")
+    return outputs
+
+
+def _label(window: int) -> str:
+    return "whole" if window == 0 else f"w{window}"
+
+
+def record_traces(target, drafter, tokenizer, prompts: dict, outputs: dict, windows: list[int], max_tokens: int
+                  ) -> dict[int, list[Trace]]:
+    """Per window, the traces of every prompt (deepest last), written to bench/.cache/traces/depth/."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    by_window: dict[int, list[Trace]] = {w: [] for w in windows}
+    for (depth, kind), ids in prompts.items():
+        output = outputs.get((depth, kind)) or plain(target.model, ids, max_tokens)[0]
+        for w in windows:
+            by_window[w].append(traces.record(target, drafter, tokenizer, f"{kind}-{depth}", ids, max_tokens,
+                                              draft_window=w, output=output))
+    for w, recorded in by_window.items():
+        traces.write(str(OUT / f"{_label(w)}.jsonl"), recorded, {"pair": str(PAIR), "draft_window": w})
+    return by_window
+
+
+def acceptance_table(by_window: dict[int, list[Trace]], depths: list[int]) -> None:
+    """Per depth and window: P(draft position j accepted) at full blocks for j = 1, 2, 4, 8, 15, and tau."""
+    print("\nacceptance at full blocks, per drafted position (all kinds): P(position j accepted) for j = 1 2 4 8 15, "
+          "tau")
+    print(f"{'depth':>6} | " + " | ".join(f"{_label(w):>27}" for w in by_window))
+    for depth in depths:
+        cells = []
+        for w, recorded in by_window.items():
+            runs = np.concatenate([t.accepted[:, -1] for t in recorded if t.name.endswith(f"-{depth}")])
+            rates = [float((runs >= j).mean()) for j in (1, 2, 4, 8, 15)]
+            cells.append(" ".join(f"{r:.2f}"[1:] if r < 1 else "1.0" for r in rates) + f" {1 + runs.mean():5.2f}")
+        print(f"{depth:>6} | " + " | ".join(f"{c:>27}" for c in cells))
+
+
+def judge(by_window: dict[int, list[Trace]], depths: list[int], profiles: list[CostProfile], default_window: int
+          ) -> None:
+    """Auto (one policy through every depth, shallow to deep, as a process serves them) against plain and the best
+    fixed depth of its window's traces, per depth; and the best window's best fixed depth."""
+    recorded = by_window[default_window]
+    for profile in profiles:
+        print(f"\nreplay under {profile.name} ({profile.source}): auto / plain, auto / best fixed depth "
+              f"(drafter window {_label(default_window)}), best fixed anywhere / plain")
+        policy = AdaptiveDepth(15)
+        worst = []
+        for depth in depths:
+            at = [t for t in recorded if t.name.endswith(f"-{depth}")]
+            auto = replay.simulate(policy, at, profile)
+            _, best = replay.best_fixed(at, profile)
+            anywhere = max(replay.best_fixed([t for t in ts if t.name.endswith(f"-{depth}")], profile)[1].vs_plain
+                           for ts in by_window.values())
+            ratio = auto.tokens_per_second / best.tokens_per_second
+            worst.append((auto.vs_plain, ratio))
+            print(f"  {depth:>6}: {auto.vs_plain:5.2f}x plain, {ratio:5.2f}x best fixed ({best.vs_plain:4.2f}x plain), "
+                  f"best anywhere {anywhere:4.2f}x; depths {_depths(auto.depths)}")
+        low_plain, low_best = min(w[0] for w in worst), min(w[1] for w in worst)
+        ok = low_plain >= 0.97 and low_best >= 0.97
+        print(f"  worst depth: {low_plain:.3f}x plain, {low_best:.3f}x best fixed ({'PASS' if ok else 'FAIL'}, "
+              "target >= 0.97 both)")
+
+
+def _depths(histogram: list[int]) -> str:
+    total = sum(histogram) or 1
+    return " ".join(f"{k}:{n / total:.0%}" for k, n in enumerate(histogram) if n / total >= 0.05)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", type=Path, default=PAIR, help="a bundle (default: the real pair, `make pair`)")
+    ap.add_argument("--depths", default="256,1024,2048,4096,8000")
+    ap.add_argument("--windows", default="0,512,1024,2048,4096", help="drafter windows (0: the whole context)")
+    ap.add_argument("--kinds", default="file,conversation,tool")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per path (medians; the order alternates)")
+    ap.add_argument("--no-timing", action="store_true", help="traces and replay only")
+    ap.add_argument("--no-traces", action="store_true", help="the timed table only")
+    ap.add_argument("--profile", type=Path, default=OUT / "costs.profile.json",
+                    help="this machine's costs per depth: measured once, reused")
+    args = ap.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+    windows = [int(w) for w in args.windows.split(",")]
+    print_machine()
+    target, drafter, tokenizer = dflash_mlx.load(str(args.pair))
+    default_window = drafter.context_window
+    if default_window not in windows:
+        windows.append(default_window)
+    prompts = {(d, k): build_prompt(tokenizer, k, d) for d in depths for k in args.kinds.split(",")}
+    print(f"pair {args.pair}; prompts (tokens): "
+          + ", ".join(f"{k} {len(ids)}" for (d, k), ids in prompts.items()))
+    warm = prompts[min(prompts)]
+    run_plain(target, tokenizer, warm, 8), run_dflash(target, drafter, tokenizer, warm, 8, block_size=16)
+    outputs = {} if args.no_timing else timing(target, drafter, tokenizer, prompts, windows, args.max_tokens,
+                                               args.repeats, default_window)
+    if args.no_traces:
+        return
+    by_window = record_traces(target, drafter, tokenizer, prompts, outputs, windows, args.max_tokens)
+    acceptance_table(by_window, depths)
+    if args.profile.is_file():
+        profile = CostProfile.from_dict(json.loads(args.profile.read_text()))
+    else:
+        print(f"\nmeasuring this machine's cycle costs at {depths} tokens ...", flush=True)
+        profile = traces.measure_costs(target, drafter, tokenizer, depths, steps=12, repeats=2,
+                                       name="this machine (measured)")
+        args.profile.write_text(json.dumps(profile.to_dict(), indent=1))
+    profiles = [profile] + [replay.mac_profile(name, 15) for name in replay.MAC_PROFILES]
+    judge(by_window, depths, profiles, default_window)
+
+
+if __name__ == "__main__":
+    main()
