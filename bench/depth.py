@@ -27,22 +27,21 @@ from __future__ import annotations
 from common import CACHE, plain, print_machine  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sysconfig  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dflash_mlx  # noqa: E402
+from dflash_mlx import make_cache  # noqa: E402
 from dflash_mlx.chat_template import render  # noqa: E402
 from dflash_mlx.decode.policy import AdaptiveDepth  # noqa: E402
 from dflash_mlx.eval import replay, traces  # noqa: E402
 from dflash_mlx.eval.replay import CostProfile, Trace  # noqa: E402
+from dflash_mlx.sampling import Sampling  # noqa: E402
 
 PAIR = CACHE / "smollm2" / "bundle"
 OUT = CACHE / "traces" / "depth"
@@ -127,7 +126,7 @@ def run_dflash(target, drafter, tokenizer, ids: list[int], max_tokens: int, **se
     mx.clear_cache()
     r = dflash_mlx.generate(target, drafter, tokenizer, ids, max_tokens=max_tokens, eos_token_ids=[], **settings)
     return {"tokens": r.tokens, "decode": r.generation_tps, "prefill": r.prompt_tps, "tau": r.tau,
-            "depths": r.depth_histogram}
+            "depths": r.depth_histogram, "cached": r.prompt_cached}
 
 
 def run_plain(target, tokenizer, ids: list[int], max_tokens: int) -> dict:
@@ -136,101 +135,89 @@ def run_plain(target, tokenizer, ids: list[int], max_tokens: int) -> dict:
     return {"tokens": tokens, "decode": decode, "prefill": prefill}
 
 
-def median_runs(runs: list[dict]) -> dict:
-    assert all(r["tokens"] == runs[0]["tokens"] for r in runs), "a path gave other tokens on a rerun"
-    return {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
-
-
-def timing(target, drafter, tokenizer, prompts: dict, windows: list[int], max_tokens: int, repeats: int,
-           default_window: int) -> dict:
-    """The side-by-side table; the plain tokens of every prompt (the traces' outputs)."""
-    names = ["plain", *(f"w{w}" for w in windows), "auto"]
-    print(f"\ndecode tok/s ratio to plain (tau at full blocks), {max_tokens} tokens; prefill time over mlx-lm's; "
-          f"auto: adaptive, drafter window {default_window or 'whole'}; '=': the whole context (window >= prompt)")
-    print(f"{'depth':>6} {'kind':>12} {'plain':>6} | " + " ".join(f"{_label(w):>11}" for w in windows)
-          + f" | {'auto':>5} | {'prefill':>13} | same")
-    outputs = {}
-    for (depth, kind), ids in prompts.items():
-        paths: dict[str, Callable[[], dict]] = {"plain": lambda: run_plain(target, tokenizer, ids, max_tokens)}
-        for w in windows:
-            if w == 0 or w < len(ids):
-                paths[f"w{w}"] = lambda w=w: run_dflash(target, drafter, tokenizer, ids, max_tokens, block_size=16,
-                                                        draft_window=w)
-        paths["auto"] = lambda: run_dflash(target, drafter, tokenizer, ids, max_tokens)
-        runs = collections.defaultdict(list)
-        for r in range(repeats):
-            order = [n for n in names if n in paths]
-            for name in order if r % 2 == 0 else order[::-1]:
-                runs[name].append(paths[name]())
-        got = {name: median_runs(rs) for name, rs in runs.items()}
-        p = got["plain"]
-        outputs[depth, kind] = p["tokens"]
-        same = all(g["tokens"] == p["tokens"] for g in got.values())
-        cells = []
-        for w in windows:
-            g = got.get(f"w{w}")
-            cells.append(f"{'=':>11}" if g is None else f"{g['decode'] / p['decode']:>5.2f} ({g['tau']:>3.1f})")
-        auto, whole = got["auto"], got["w0"]
-        print(f"{len(ids):>6} {kind:>12} {p['decode']:>6.1f} | " + " ".join(cells)
-              + f" | {auto['decode'] / p['decode']:>5.2f} | {p['prefill'] / whole['prefill']:>5.2f} "
-              f"{p['prefill'] / auto['prefill']:>5.2f}w | {'OK' if same else 'MISMATCH'}", flush=True)
-    print("(prefill: the drafter's whole context, then auto's window 'w': time over mlx-lm's for the same prompt)")
-    return outputs
-
-
 def _label(window: int) -> str:
     return "whole" if window == 0 else f"w{window}"
 
 
-def record_traces(target, drafter, tokenizer, prompts: dict, outputs: dict, windows: list[int], max_tokens: int
+def record_traces(target, drafter, tokenizer, prompts: dict, windows: list[int], max_tokens: int
                   ) -> dict[int, list[Trace]]:
-    """Per window, the traces of every prompt (deepest last), written to bench/.cache/traces/depth/."""
+    """Per window, the traces of every prompt (shallowest first), written to bench/.cache/traces/depth/; the
+    target's output is mlx-lm's greedy decoding, timed on the way (the plain column of the timed table)."""
     OUT.mkdir(parents=True, exist_ok=True)
     by_window: dict[int, list[Trace]] = {w: [] for w in windows}
+    print(f"\nplain decoding (mlx-lm), {max_tokens} tokens: prefill tok/s, decode tok/s", flush=True)
     for (depth, kind), ids in prompts.items():
-        output = outputs.get((depth, kind)) or plain(target.model, ids, max_tokens)[0]
-        for w in windows:
-            by_window[w].append(traces.record(target, drafter, tokenizer, f"{kind}-{depth}", ids, max_tokens,
-                                              draft_window=w, output=output))
+        p = run_plain(target, tokenizer, ids, max_tokens)
+        print(f"  {len(ids):>6} {kind:>12}: {p['prefill']:6.0f} {p['decode']:6.2f}", flush=True)
+        recorded = traces.record_windows(target, drafter, tokenizer, f"{kind}-{depth}", ids, max_tokens, Sampling(),
+                                         windows, output=p["tokens"])
+        for w, trace in zip(windows, recorded):
+            by_window[w].append(trace)
     for w, recorded in by_window.items():
         traces.write(str(OUT / f"{_label(w)}.jsonl"), recorded, {"pair": str(PAIR), "draft_window": w})
     return by_window
 
 
+def read_traces(windows: list[int]) -> dict[int, list[Trace]]:
+    return {w: traces.read(str(OUT / f"{_label(w)}.jsonl"))[1] for w in windows}
+
+
 def acceptance_table(by_window: dict[int, list[Trace]], depths: list[int]) -> None:
     """Per depth and window: P(draft position j accepted) at full blocks for j = 1, 2, 4, 8, 15, and tau."""
-    print("\nacceptance at full blocks, per drafted position (all kinds): P(position j accepted) for j = 1 2 4 8 15, "
-          "tau")
-    print(f"{'depth':>6} | " + " | ".join(f"{_label(w):>27}" for w in by_window))
+    print("\nacceptance at full blocks (all kinds): P(drafted position j accepted) for j = 1 2 4 8 15; tau")
+    print(f"{'depth':>6} | " + " | ".join(f"{_label(w):>26}" for w in by_window))
     for depth in depths:
         cells = []
-        for w, recorded in by_window.items():
+        for recorded in by_window.values():
             runs = np.concatenate([t.accepted[:, -1] for t in recorded if t.name.endswith(f"-{depth}")])
-            rates = [float((runs >= j).mean()) for j in (1, 2, 4, 8, 15)]
-            cells.append(" ".join(f"{r:.2f}"[1:] if r < 1 else "1.0" for r in rates) + f" {1 + runs.mean():5.2f}")
-        print(f"{depth:>6} | " + " | ".join(f"{c:>27}" for c in cells))
+            rates = " ".join(f"{(runs >= j).mean():.2f}".lstrip("0") for j in (1, 2, 4, 8, 15))
+            cells.append(f"{rates} {1 + runs.mean():5.2f}")
+        print(f"{depth:>6} | " + " | ".join(f"{c:>26}" for c in cells))
+
+
+def timing(target, drafter, tokenizer, prompts: dict, kinds: list[str], max_tokens: int, default_window: int
+           ) -> None:
+    """Side by side: plain, the drafter at full blocks with its whole context and with the default window, and
+    auto (the defaults: adaptive depth, the default window) on the default window's cache (its prompt prefilled
+    once); tokens compared, decode tok/s as ratios to plain, prefill as time over mlx-lm's."""
+    print(f"\ntimed, {max_tokens} tokens: decode tok/s of each over plain's (tau); prefill: time over mlx-lm's")
+    print(f"{'prompt':>6} {'kind':>12} {'plain':>6} | {'whole':>11} {_label(default_window):>11} {'auto':>11} | "
+          f"{'prefill':>6} {_label(default_window):>6} | same")
+    for (depth, kind), ids in prompts.items():
+        if kind not in kinds:
+            continue
+        p = run_plain(target, tokenizer, ids, max_tokens)
+        whole = run_dflash(target, drafter, tokenizer, ids, max_tokens, block_size=16, draft_window=0)
+        cache = make_cache(target, drafter, draft_window=default_window)
+        windowed = whole if default_window == 0 else run_dflash(
+            target, drafter, tokenizer, ids, max_tokens, block_size=16, draft_window=default_window, cache=cache)
+        auto = run_dflash(target, drafter, tokenizer, ids, max_tokens, cache=cache)
+        same = p["tokens"] == whole["tokens"] == windowed["tokens"] == auto["tokens"]
+        cells = " ".join(f"{g['decode'] / p['decode']:>5.2f} ({g['tau']:>3.1f})" for g in (whole, windowed, auto))
+        print(f"{len(ids):>6} {kind:>12} {p['decode']:>6.2f} | {cells} | {p['prefill'] / whole['prefill']:>6.2f} "
+              f"{p['prefill'] / windowed['prefill']:>6.2f} | {'OK' if same else 'MISMATCH'}", flush=True)
 
 
 def judge(by_window: dict[int, list[Trace]], depths: list[int], profiles: list[CostProfile], default_window: int
           ) -> None:
     """Auto (one policy through every depth, shallow to deep, as a process serves them) against plain and the best
-    fixed depth of its window's traces, per depth; and the best window's best fixed depth."""
+    fixed depth of its window's traces, per depth; and the best fixed depth of any window."""
     recorded = by_window[default_window]
     for profile in profiles:
-        print(f"\nreplay under {profile.name} ({profile.source}): auto / plain, auto / best fixed depth "
-              f"(drafter window {_label(default_window)}), best fixed anywhere / plain")
-        policy = AdaptiveDepth(15)
-        worst = []
+        print(f"\nreplay under {profile.name} ({profile.source}), auto with drafter window "
+              f"{_label(default_window)}: auto / plain, auto / best fixed depth, best fixed of any window / plain")
+        policy, worst = AdaptiveDepth(15), []
         for depth in depths:
             at = [t for t in recorded if t.name.endswith(f"-{depth}")]
             auto = replay.simulate(policy, at, profile)
-            _, best = replay.best_fixed(at, profile)
-            anywhere = max(replay.best_fixed([t for t in ts if t.name.endswith(f"-{depth}")], profile)[1].vs_plain
-                           for ts in by_window.values())
+            k, best = replay.best_fixed(at, profile)
+            anywhere = max((replay.best_fixed([t for t in ts if t.name.endswith(f"-{depth}")], profile)[1].vs_plain, w)
+                           for w, ts in by_window.items())
             ratio = auto.tokens_per_second / best.tokens_per_second
             worst.append((auto.vs_plain, ratio))
-            print(f"  {depth:>6}: {auto.vs_plain:5.2f}x plain, {ratio:5.2f}x best fixed ({best.vs_plain:4.2f}x plain), "
-                  f"best anywhere {anywhere:4.2f}x; depths {_depths(auto.depths)}")
+            print(f"  {depth:>6}: {auto.vs_plain:5.2f}x plain, {ratio:5.2f}x best fixed (depth {k}, "
+                  f"{best.vs_plain:4.2f}x plain); any window {anywhere[0]:4.2f}x ({_label(anywhere[1])}); "
+                  f"auto's depths {_depths(auto.depths)}")
         low_plain, low_best = min(w[0] for w in worst), min(w[1] for w in worst)
         ok = low_plain >= 0.97 and low_best >= 0.97
         print(f"  worst depth: {low_plain:.3f}x plain, {low_best:.3f}x best fixed ({'PASS' if ok else 'FAIL'}, "
@@ -246,14 +233,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", type=Path, default=PAIR, help="a bundle (default: the real pair, `make pair`)")
     ap.add_argument("--depths", default="256,1024,2048,4096,8000")
-    ap.add_argument("--windows", default="0,512,1024,2048,4096", help="drafter windows (0: the whole context)")
+    ap.add_argument("--windows", default="0,512,1024,2048,4096", help="drafter windows traced (0: the whole context)")
     ap.add_argument("--kinds", default="file,conversation,tool")
+    ap.add_argument("--timed-kinds", default="file", help="kinds timed side by side (each depth costs 3 prefills)")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per path (medians; the order alternates)")
-    ap.add_argument("--no-timing", action="store_true", help="traces and replay only")
-    ap.add_argument("--no-traces", action="store_true", help="the timed table only")
+    ap.add_argument("--replay", action="store_true", help="no decoding: the saved traces and costs, replayed")
+    ap.add_argument("--no-timing", action="store_true", help="traces, acceptance and replay only")
+    ap.add_argument("--no-replay", action="store_true", help="no cost profile, no replay")
+    ap.add_argument("--retrace", action="store_true", help="record the traces again, though saved ones exist")
     ap.add_argument("--profile", type=Path, default=OUT / "costs.profile.json",
-                    help="this machine's costs per depth: measured once, reused")
+                    help="this machine's costs at each depth: measured once, then reused")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
@@ -262,17 +251,21 @@ def main() -> None:
     default_window = drafter.context_window
     if default_window not in windows:
         windows.append(default_window)
-    prompts = {(d, k): build_prompt(tokenizer, k, d) for d in depths for k in args.kinds.split(",")}
-    print(f"pair {args.pair}; prompts (tokens): "
-          + ", ".join(f"{k} {len(ids)}" for (d, k), ids in prompts.items()))
-    warm = prompts[min(prompts)]
-    run_plain(target, tokenizer, warm, 8), run_dflash(target, drafter, tokenizer, warm, 8, block_size=16)
-    outputs = {} if args.no_timing else timing(target, drafter, tokenizer, prompts, windows, args.max_tokens,
-                                               args.repeats, default_window)
-    if args.no_traces:
-        return
-    by_window = record_traces(target, drafter, tokenizer, prompts, outputs, windows, args.max_tokens)
+    if args.replay:
+        by_window = read_traces(windows)
+    else:
+        prompts = {(d, k): build_prompt(tokenizer, k, d) for d in depths for k in args.kinds.split(",")}
+        print(f"pair {args.pair}; prompts (tokens): " + ", ".join(f"{k} {len(ids)}" for (_, k), ids in prompts.items()))
+        warm = prompts[min(prompts)]
+        run_plain(target, tokenizer, warm, 8), run_dflash(target, drafter, tokenizer, warm, 8, block_size=16)
+        saved = all((OUT / f"{_label(w)}.jsonl").is_file() for w in windows) and not args.retrace
+        by_window = read_traces(windows) if saved else record_traces(target, drafter, tokenizer, prompts, windows,
+                                                                      args.max_tokens)
     acceptance_table(by_window, depths)
+    if not args.replay and not args.no_timing:
+        timing(target, drafter, tokenizer, prompts, args.timed_kinds.split(","), args.max_tokens, default_window)
+    if args.no_replay:
+        return
     if args.profile.is_file():
         profile = CostProfile.from_dict(json.loads(args.profile.read_text()))
     else:

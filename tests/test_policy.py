@@ -640,3 +640,20 @@ def test_a_batch_rows_learning_merges_into_the_shared_policy():
     seen = max(p.by_repeat[0].trials.sum() for p in (rows[0].policy, rows[1].policy))
     assert shared.by_repeat[0].trials.sum() == pytest.approx(seen)  # no more certain than the row that saw most
     assert shared.costs.ready and shared.seconds is not None  # the next request does not warm up again
+
+
+def test_costs_are_kept_per_context_span():
+    """A verify dear at 8k and cheap at 256 (its attention over the context): a short prompt after long ones drafts
+    deep again from its first cycles (its span's costs where they were left), where one cost model for every
+    context would first have to unlearn the long prompts'."""
+    from dflash_mlx.eval import replay
+
+    profile = replay.CostProfile.relative("growing", "test", 15, plain_step=0.01, upkeep=0.0, drafter=0.17,
+                                          per_token=0.05, per_token_growth=1e-4)
+    short, long = (replay.synthetic(name, prompt, 200, 0.9, 15, seed) for name, prompt, seed in
+                   (("short", 256, 0), ("long", 8000, 1)))
+    policy = AdaptiveDepth(15)
+    replay.simulate(policy, [short, long, long], profile)  # a block of 16 over 8k costs 14 plain steps here
+    assert {0, 4} <= set(policy.spans)
+    again = replay.simulate(policy, [short], profile)
+    assert sum(again.depths[8:]) >= 0.8 * sum(again.depths)  # one cost model for all: drafts of 3-5 (measured)

@@ -10,10 +10,21 @@ weights are not added.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+SEED_WEIGHT = 2.0  # what a context span's costs seeded from another's count for: its own cycles soon outweigh them
+
+
+def span(context: int) -> int:
+    """The context span a cycle's costs belong to: 0 below 512 tokens, then one per doubling (512-1k, 1k-2k, ...). A
+    verify attends over the whole context, so what it costs against a plain step changes with it (on a CPU a verify
+    of 16 is about 3 plain steps at 256 tokens and dearer at 8k; published Mac figures put block 16 of a 27B at 3.5
+    plain steps at 1k and 4.9 at 8k)."""
+    return max(0, int(context).bit_length() - 9)
 
 
 def combine(value: float, weight: float, other: float, other_weight: float) -> tuple[float, float]:
@@ -232,6 +243,16 @@ class CycleCosts:
                 self._early.append((depth, took, copied))
             else:
                 (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
+
+    def seeded(self) -> CycleCosts:
+        """A copy for another context span: what this one measured, counting for at most ``SEED_WEIGHT`` cycles, so
+        that the span's own cycles take over within a few instead of warming up from nothing."""
+        seed = copy.deepcopy(self)
+        seed._plain_weight = min(seed._plain_weight, SEED_WEIGHT)
+        for line in (seed.drafting, seed.copying):
+            for mean in line._means.values():
+                mean[0] = min(mean[0], SEED_WEIGHT)
+        return seed
 
     def missing(self) -> list[int]:
         """Depths to measure before the model is determined: plain and two drafting depths (without a drafter,

@@ -18,8 +18,9 @@ schedules decide what the estimates cannot: when to probe the drafter again whil
 plain decoding wins (``ProbeSchedule``), and when to retry copies the estimates
 rule out (``CopyRetries``).
 
-Planning changes nothing: what a plan decided that its outcome settles (the probe
-schedule's next state, whether a copy was a retry) travels in the plan
+Planning changes nothing but the context span whose costs price the cycle: what a
+plan decided that its outcome settles (the probe schedule's next state, whether a copy
+was a retry) travels in the plan
 (``Plan.why``) and takes effect when ``observe`` gets the plan back with what ran.
 The decode loop plans a plain step's successor before it reads that step, so a
 policy that kept its decision to itself would settle the wrong cycle with it.
@@ -27,6 +28,7 @@ policy that kept its decision to itself would settle the wrong cycle with it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import weakref
@@ -35,7 +37,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..distributed import from_main
 from ..errors import DFlashError
-from .estimates import Acceptance, CycleCosts, combine
+from .estimates import Acceptance, CycleCosts, combine, span
 from .repeats import Repeats
 
 AUTO, DRAFTER, COPY = "auto", "drafter", "copy"
@@ -259,6 +261,7 @@ class Decision:
     """What ``AdaptiveDepth.plan`` decided that the cycle's outcome settles."""
 
     bucket: int  # how the history repeated itself: whose acceptance the cycle updates
+    span: Optional[int] = None  # the context span it was planned at (``estimates.span``): whose costs it updates
     schedule: Optional[tuple[int, bool]] = None  # the probe schedule's (plain_run, new_prompt) once the drafter's
     # plan runs (None: the drafter's plan does not move it: a warm-up, a target alone)
     retry: bool = False  # a copy the retry schedule asked for, not the costs
@@ -323,7 +326,13 @@ class AdaptiveDepth:
     refused earlier in the reply may rule them out for good.
 
     Decisions read the cost model through ``seconds`` and ``copy_seconds``, its
-    predictions, refreshed after every cycle. The ranks of a sharded target (``distributed``) see the same
+    predictions, refreshed after every cycle. The model is kept per context span
+    (``estimates.span``: below 512 tokens, then one per doubling), because a verify
+    over 8k positions costs more plain steps than one over 256: a span entered for
+    the first time starts from the nearest span's costs, counting for a couple of
+    cycles only, so its own cycles price it within a few (a depth chosen at a short
+    context is not drafted for a whole long reply), and a short prompt after a long
+    one finds its own span's costs where it left them. The ranks of a sharded target (``distributed``) see the same
     tokens but time their cycles apart, and must all draft the same depth: there
     ``agree`` gives every rank rank 0's (plain, drafter, per-token) seconds, which
     replace the predictions every ``agree_every`` cycles and nowhere else.
@@ -343,7 +352,9 @@ class AdaptiveDepth:
     repeats: Repeats = field(default_factory=Repeats)
     by_repeat: list[Acceptance] = field(init=False)  # one per ``Repeats.bucket``
     copy_by_repeat: list[Acceptance] = field(init=False)  # the same, of copy drafts
-    costs: CycleCosts = field(init=False)
+    costs: CycleCosts = field(init=False)  # the current context span's
+    spans: dict[int, CycleCosts] = field(init=False)  # every span's, once a cycle ran in it
+    span: Optional[int] = None  # the current one (None until the first cycle)
     probes: ProbeSchedule = field(init=False)
     retries: CopyRetries = field(init=False)
     seconds: Optional[list[float]] = None  # predicted seconds of a cycle drafting k = 0..max_depth
@@ -355,6 +366,7 @@ class AdaptiveDepth:
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.costs = CycleCosts(self.max_depth, drafter=self.drafter)
+        self.spans = {}
         self.probes = ProbeSchedule(self.probe_budget, self.min_probe, self.memory, self.prompt_memory, self.min_paid)
         self.retries = CopyRetries(self.min_probe)
 
@@ -414,9 +426,10 @@ class AdaptiveDepth:
     def plan(self, history: Sequence[int]) -> Plan:
         if self.max_depth == 0:
             return PLAIN
-        bucket = self.repeats.bucket(history)
+        bucket, at = self.repeats.bucket(history), span(len(history))
+        self._enter(at)  # (a plain step in flight, planned in the span before, moves back to it when observed)
         if self.seconds is None:  # warm-up: a full block, a plain step, one token
-            return Plan(self.costs.missing()[0], why=Decision(bucket))
+            return Plan(self.costs.missing()[0], why=Decision(bucket, at))
         rates = self._rates(bucket)
         planned, schedule = 0, None
         if self.drafter:
@@ -426,8 +439,8 @@ class AdaptiveDepth:
             c = self._argmax(copying)
             won = c > 0 and copying[c] > max(rates)
             if won or self.retries.due(bucket):  # the drafter's plan is the fallback, its schedule with it
-                return Plan(c if won else self.max_depth, COPY, planned, Decision(bucket, schedule, retry=not won))
-        return Plan(planned, why=Decision(bucket, schedule))
+                return Plan(c if won else self.max_depth, COPY, planned, Decision(bucket, at, schedule, retry=not won))
+        return Plan(planned, why=Decision(bucket, at, schedule))
 
     def start(self) -> None:
         self.probes.start()
@@ -440,6 +453,8 @@ class AdaptiveDepth:
         timed, self._timed = self._timed, True
         why: Optional[Decision] = plan.why
         bucket = _bucket(plan)
+        if why is not None and why.span is not None:
+            self._enter(why.span)
         if source == COPY:
             self.retries.copied(drafted, accepted, why is not None and why.retry)
             self.copy_by_repeat[bucket].update(drafted, accepted)
@@ -453,7 +468,7 @@ class AdaptiveDepth:
         if why is not None and why.schedule is not None:  # the drafter's plan ran: its schedule with it
             self.probes.plain_run, self.probes.new_prompt = why.schedule
         probing = drafted > 0 and self.seconds is not None and self.best(bucket) == 0
-        self.probes.follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
+        self.probes.follow_up = self._follow_up(drafted) if probing and accepted == drafted else 0
         if drafted:
             self.by_repeat[bucket].update(drafted, accepted)
         else:
@@ -469,12 +484,45 @@ class AdaptiveDepth:
         elif drafted:
             self.probes.new_prompt = False
 
+    def _follow_up(self, drafted: int) -> int:
+        """The next probe after one of ``drafted`` accepted whole: twice as deep, but no deeper than a draft that
+        could pay if it were accepted whole (its cycle within its tokens' plain steps): at a long context a deep
+        verify can cost more plain steps than it can bring tokens, and a run of whole probes doubled into it."""
+        assert self.seconds is not None
+        paying = [k for k in range(drafted + 1, min(2 * drafted, self.max_depth) + 1)
+                  if self.seconds[k] <= (k + 1) * self.seconds[0]]
+        return max(paying, default=0)
+
+    def _enter(self, at: int) -> None:
+        """Price cycles with the costs of context span ``at`` from now on (seeded from the nearest span's, the
+        first time)."""
+        if at == self.span:
+            return
+        if self.span is None:  # the first cycle: what was measured so far (nothing, or a merge) is this span's
+            self.span, self.spans[at] = at, self.costs
+            return
+        if at not in self.spans:
+            self.spans[at] = self.spans[min(self.spans, key=lambda s: abs(s - at))].seeded()
+        self.span, self.costs = at, self.spans[at]
+        self.seconds = self.copy_seconds = None
+        self._refresh()
+
     def merge(self, other: AdaptiveDepth) -> None:
         """Take in what another copy of this policy learnt (a batch row's, as it leaves): acceptance, cycle costs
-        and what probes found, combined with this one's; its place in its reply (probe and copy schedules) not."""
+        of every context span and what probes found, combined with this one's; its place in its reply (probe and
+        copy schedules) not."""
         for mine, theirs in zip(self.by_repeat + self.copy_by_repeat, other.by_repeat + other.copy_by_repeat):
             mine.merge(theirs)
-        self.costs.merge(other.costs)
+        if other.span is None:  # it ran no cycle: what it holds (a merge's) belongs to no span yet
+            self.costs.merge(other.costs)
+        else:
+            if self.span is None:  # a policy that only merges (a batch's shared one) takes the rows' spans
+                self.span, self.spans[other.span] = other.span, self.costs
+            for at, costs in other.spans.items():
+                if at in self.spans:
+                    self.spans[at].merge(costs)
+                else:
+                    self.spans[at] = copy.deepcopy(costs)
         self.probes.merge(other.probes)
         self._refresh()
 

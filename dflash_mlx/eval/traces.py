@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -57,7 +57,14 @@ def record(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: 
            output: Optional[list[int]] = None) -> Trace:
     """The trace of one prompt: ``max_tokens`` of the target's own output and every depth's acceptance; drafts
     within a drafter context window of ``draft_window`` positions (None or 0: the whole context). ``output``: the
-    target's own output, decoded already (one decode for traces of several windows)."""
+    target's own output, decoded already."""
+    return record_windows(target, drafter, tokenizer, name, prompt, max_tokens, sampling, [draft_window], output)[0]
+
+
+def record_windows(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: list[int], max_tokens: int,
+                   sampling: Sampling, draft_windows: Sequence[Optional[int]],
+                   output: Optional[list[int]] = None) -> list[Trace]:
+    """``record``'s trace for each drafter window, from one decode and one pass of the target."""
     if type(drafter) is not Drafter:
         raise DFlashError("traces need a DFlash drafter (drafts of one pass per block)")
     if not sampling.greedy and sampling.seed is None:
@@ -78,16 +85,19 @@ def record(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: 
     for p in range(n - 1):
         following = output[p + 1 : p + B]
         labels[p, : len(following)] = following
-    drafts = np.full((n - 1, B, B - 1), -1, dtype=np.int64)
-    accepted = np.zeros((n - 1, B), dtype=np.int64)
     anchors = np.arange(len(prompt), len(prompt) + n - 1)
-    for b in range(2, B + 1):
-        for start in range(0, n - 1, ANCHORS_PER_PASS):
-            rows = slice(start, start + ANCHORS_PER_PASS)
-            drafted = _drafts(drafter, target, features, seq, anchors[rows], b, sampling, draft_window or None)
-            drafts[rows, b - 1, : b - 1] = drafted
-            accepted[rows, b - 1] = np.cumprod(drafted == labels[rows, : b - 1], axis=1).sum(1)
-    return Trace(name, prompt, output, drafts, accepted)
+    recorded = []
+    for window in draft_windows:
+        drafts = np.full((n - 1, B, B - 1), -1, dtype=np.int64)
+        accepted = np.zeros((n - 1, B), dtype=np.int64)
+        for b in range(2, B + 1):
+            for start in range(0, n - 1, ANCHORS_PER_PASS):
+                rows = slice(start, start + ANCHORS_PER_PASS)
+                drafted = _drafts(drafter, target, features, seq, anchors[rows], b, sampling, window or None)
+                drafts[rows, b - 1, : b - 1] = drafted
+                accepted[rows, b - 1] = np.cumprod(drafted == labels[rows, : b - 1], axis=1).sum(1)
+        recorded.append(Trace(name, prompt, output, drafts, accepted))
+    return recorded
 
 
 def write(path: str, traces: Iterable[Trace], meta: dict[str, Any]) -> None:
