@@ -468,7 +468,7 @@ class AdaptiveDepth:
         if why is not None and why.schedule is not None:  # the drafter's plan ran: its schedule with it
             self.probes.plain_run, self.probes.new_prompt = why.schedule
         probing = drafted > 0 and self.seconds is not None and self.best(bucket) == 0
-        self.probes.follow_up = self._follow_up(drafted) if probing and accepted == drafted else 0
+        self.probes.follow_up = min(2 * drafted, self.max_depth) if probing and accepted == drafted else 0
         if drafted:
             self.by_repeat[bucket].update(drafted, accepted)
         else:
@@ -483,15 +483,6 @@ class AdaptiveDepth:
             self.probes.drafted(accepted, steps, accepted + 1 > steps, probing and self.best(bucket) > 0)
         elif drafted:
             self.probes.new_prompt = False
-
-    def _follow_up(self, drafted: int) -> int:
-        """The next probe after one of ``drafted`` accepted whole: twice as deep, but no deeper than a draft that
-        could pay if it were accepted whole (its cycle within its tokens' plain steps): at a long context a deep
-        verify can cost more plain steps than it can bring tokens, and a run of whole probes doubled into it."""
-        assert self.seconds is not None
-        paying = [k for k in range(drafted + 1, min(2 * drafted, self.max_depth) + 1)
-                  if self.seconds[k] <= (k + 1) * self.seconds[0]]
-        return max(paying, default=0)
 
     def _enter(self, at: int) -> None:
         """Price cycles with the costs of context span ``at`` from now on (seeded from the nearest span's, the
