@@ -243,6 +243,7 @@ def main() -> None:
     ap.add_argument("--retrace", action="store_true", help="record the traces again, though saved ones exist")
     ap.add_argument("--profile", type=Path, default=OUT / "costs.profile.json",
                     help="this machine's costs at each depth: measured once, then reused")
+    ap.add_argument("--profile-contexts", default="256,2048,8000", help="where the costs are measured (linear between)")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
@@ -269,8 +270,9 @@ def main() -> None:
     if args.profile.is_file():
         profile = CostProfile.from_dict(json.loads(args.profile.read_text()))
     else:
-        print(f"\nmeasuring this machine's cycle costs at {depths} tokens ...", flush=True)
-        profile = traces.measure_costs(target, drafter, tokenizer, depths, steps=12, repeats=2,
+        contexts = [int(c) for c in args.profile_contexts.split(",")]
+        print(f"\nmeasuring this machine's cycle costs at {contexts} tokens ...", flush=True)
+        profile = traces.measure_costs(target, drafter, tokenizer, contexts, steps=12, repeats=2,
                                        name="this machine (measured)")
         args.profile.write_text(json.dumps(profile.to_dict(), indent=1))
     profiles = [profile] + [replay.mac_profile(name, 15) for name in replay.MAC_PROFILES]

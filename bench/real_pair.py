@@ -41,6 +41,7 @@ FOLDER = CACHE / "smollm2"
 RECIPE = dict(layers=1, target_layer_ids=[14, 29], prompt_count=600, response_tokens=256, batch_size=8,
               anchors=32, lr=1e-3, eval_prompts=8)
 DATASETS = ("math", "code", "chat", "edit", "humaneval")
+DRAFT_WINDOW = 512  # the bundle's drafter window
 
 
 def fetch_gguf() -> Path:
@@ -84,7 +85,8 @@ def build(args: argparse.Namespace) -> Path:
               f"({result.evaluated} prompts, {result.looping} looping), "
               f"{(time.perf_counter() - tic) / 60:.1f} min end to end", flush=True)
     if not (bundle / "dflash.json").is_file():
-        convert(str(draft), str(bundle), target=str(target), force=bundle.exists())
+        # Its drafter window: 512 gave the best acceptance at every depth from 1k to 8k (bench/depth.py; README).
+        convert(str(draft), str(bundle), target=str(target), force=bundle.exists(), draft_window=DRAFT_WINDOW)
     print(f"\nthe pair as one bundle: {bundle}\n  chat with it:  make chat MODEL={bundle}")
     return bundle
 
