@@ -19,7 +19,7 @@ Mac profiles (estimates, from published figures): auto against plain and the bes
 policy carried from the shallowest prompts to the deepest as one process serves them.
 
     python bench/depth.py [--depths 256,1024,2048,4096,8000] [--windows 0,512,1024,2048,4096] [--max-tokens 64]
-                          [--kinds file,conversation,tool] [--repeats 1] [--no-timing] [--no-traces]
+                          [--kinds file,conversation,tool] [--timed-kinds file] [--no-timing] [--replay]
 """
 
 from __future__ import annotations
