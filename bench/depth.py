@@ -9,9 +9,9 @@ the same prompts.
 
 At each depth and kind, side by side in one process (BLAS named first):
   - plain: mlx-lm's decoding of the same target; its prefill is the baseline of the prefill ratios;
-  - the drafter at full blocks (``--block-size 16``) with its whole context and with windows of 512, 1k, 2k and 4k
-    positions (a window as long as the prompt or longer is the whole context: not run again);
-  - auto: the default settings (the adaptive policy, the default drafter window);
+  - the drafter at full blocks (``--block-size 16``) with its whole context and with the default window, one run;
+  - auto: the default settings (the adaptive policy, the default drafter window), ``--rounds`` runs paired with
+    plain's, the median ratio shown;
   each decode's tokens compared with plain's, tok/s as the ratio to plain, and the prefill's time to mlx-lm's.
 Then, without timing, a trace of every depth, kind and window (``eval.traces``): the acceptance of each draft position
 at full blocks, and the policies replayed on them under this machine's costs measured at each depth and under the
@@ -19,12 +19,13 @@ Mac profiles (estimates, from published figures): auto against plain and the bes
 policy carried from the shallowest prompts to the deepest as one process serves them.
 
     python bench/depth.py [--depths 256,1024,2048,4096,8000] [--windows 0,512,1024,2048,4096] [--max-tokens 64]
-                          [--kinds file,conversation,tool] [--timed-kinds file] [--no-timing] [--replay]
+                          [--kinds file,conversation,tool] [--timed-kinds file] [--rounds 3] [--prefill-rounds N]
+                          [--hogs N] [--no-timing] [--replay]
 """
 
 from __future__ import annotations
 
-from common import CACHE, plain, print_machine  # re-execs with OpenBLAS first
+from common import CACHE, cpu_hogs, plain, print_machine  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
@@ -129,9 +130,9 @@ def run_dflash(target, drafter, tokenizer, ids: list[int], max_tokens: int, **se
             "depths": r.depth_histogram, "cached": r.prompt_cached}
 
 
-def run_plain(target, tokenizer, ids: list[int], max_tokens: int) -> dict:
+def run_plain(target, tokenizer, ids: list[int], max_tokens: int, prompt_cache=None) -> dict:
     mx.clear_cache()
-    tokens, decode, prefill = plain(target.model, ids, max_tokens, tokenizer=tokenizer)
+    tokens, decode, prefill = plain(target.model, ids, max_tokens, prompt_cache=prompt_cache, tokenizer=tokenizer)
     return {"tokens": tokens, "decode": decode, "prefill": prefill}
 
 
@@ -175,27 +176,84 @@ def acceptance_table(by_window: dict[int, list[Trace]], depths: list[int]) -> No
         print(f"{depth:>6} | " + " | ".join(f"{c:>26}" for c in cells))
 
 
-def timing(target, drafter, tokenizer, prompts: dict, kinds: list[str], max_tokens: int, default_window: int
-           ) -> None:
+def timing(target, drafter, tokenizer, prompts: dict, kinds: list[str], max_tokens: int, default_window: int,
+           rounds: int) -> None:
     """Side by side: plain, the drafter at full blocks with its whole context and with the default window, and
-    auto (the defaults: adaptive depth, the default window) on the default window's cache (its prompt prefilled
-    once); tokens compared, decode tok/s as ratios to plain, prefill as time over mlx-lm's."""
-    print(f"\ntimed, {max_tokens} tokens: decode tok/s of each over plain's (tau); prefill: time over mlx-lm's")
-    print(f"{'prompt':>6} {'kind':>12} {'plain':>6} | {'whole':>11} {_label(default_window):>11} {'auto':>11} | "
-          f"{'prefill':>6} {_label(default_window):>6} | same")
+    auto (the defaults: adaptive depth, the default window); tokens compared, decode tok/s as ratios to plain's,
+    prefill as time over mlx-lm's.
+
+    Each is prefilled once (the prefill ratios: one run each), then decoded ``rounds`` times from its own cache
+    returned to the prompt: auto and plain every round in alternating order, each ratio against the same round's
+    plain, the median shown (this machine drifts 10-30% between runs: one run of 64 tokens each once put auto at
+    0.54x plain where paired runs of the same prompt give 1.04-1.15x); the full blocks, slow at depth, in the first
+    round only.
+    """
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    print(f"\ntimed, {max_tokens} tokens: decode tok/s over plain's (tau); auto: median of {rounds} paired runs "
+          f"(lowest-highest); full blocks: one run; prefill: time over mlx-lm's (one run)")
+    print(f"{'prompt':>6} {'kind':>12} {'plain':>6} | {'whole':>11} {_label(default_window):>11} | "
+          f"{'auto':>18} | {'prefill':>6} {_label(default_window):>6} | same")
     for (depth, kind), ids in prompts.items():
         if kind not in kinds:
             continue
-        p = run_plain(target, tokenizer, ids, max_tokens)
-        whole = run_dflash(target, drafter, tokenizer, ids, max_tokens, block_size=16, draft_window=0)
+        plain_cache = target.make_cache()
         cache = make_cache(target, drafter, draft_window=default_window)
+
+        def plain_run(first: bool) -> dict:
+            if not first:  # mlx-lm's cache back to the prompt but its last token, which it then takes first
+                trim_prompt_cache(plain_cache, plain_cache[0].offset - (len(ids) - 1))
+            return run_plain(target, tokenizer, ids if first else ids[-1:], max_tokens, prompt_cache=plain_cache)
+
+        p, a = plain_run(True), run_dflash(target, drafter, tokenizer, ids, max_tokens, cache=cache)
+        whole = run_dflash(target, drafter, tokenizer, ids, max_tokens, block_size=16, draft_window=0)
         windowed = whole if default_window == 0 else run_dflash(
             target, drafter, tokenizer, ids, max_tokens, block_size=16, draft_window=default_window, cache=cache)
-        auto = run_dflash(target, drafter, tokenizer, ids, max_tokens, cache=cache)
-        same = p["tokens"] == whole["tokens"] == windowed["tokens"] == auto["tokens"]
-        cells = " ".join(f"{g['decode'] / p['decode']:>5.2f} ({g['tau']:>3.1f})" for g in (whole, windowed, auto))
-        print(f"{len(ids):>6} {kind:>12} {p['decode']:>6.2f} | {cells} | {p['prefill'] / whole['prefill']:>6.2f} "
-              f"{p['prefill'] / windowed['prefill']:>6.2f} | {'OK' if same else 'MISMATCH'}", flush=True)
+        plains, autos, ratios = [p], [a], [a["decode"] / p["decode"]]
+        for r in range(1, rounds):
+            if r % 2:
+                a = run_dflash(target, drafter, tokenizer, ids, max_tokens, cache=cache)
+                p = plain_run(False)
+            else:
+                p = plain_run(False)
+                a = run_dflash(target, drafter, tokenizer, ids, max_tokens, cache=cache)
+            plains.append(p), autos.append(a), ratios.append(a["decode"] / p["decode"])
+        same = all(x["tokens"] == plains[0]["tokens"] for x in plains + autos + [whole, windowed])
+        first = plains[0]
+        cells = " ".join(f"{g['decode'] / first['decode']:>5.2f} ({g['tau']:>3.1f})" for g in (whole, windowed))
+        tau = float(np.median([x["tau"] for x in autos]))
+        auto = f"{np.median(ratios):>4.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if rounds > 1 else \
+            f"{ratios[0]:>4.2f}"
+        print(f"{len(ids):>6} {kind:>12} {np.median([x['decode'] for x in plains]):>6.2f} | {cells} | "
+              f"{auto:>11} ({tau:>3.1f}) | {first['prefill'] / whole['prefill']:>6.2f} "
+              f"{first['prefill'] / autos[0]['prefill']:>6.2f} | {'OK' if same else 'MISMATCH'}", flush=True)
+
+
+def prefill_rounds(target, drafter, tokenizer, prompts: dict, kinds: list[str], default_window: int,
+                   rounds: int) -> None:
+    """Prefill alone, fresh caches, ``rounds`` times in rotating order: mlx-lm's, ours with the drafter's whole
+    context and with the default window; each ratio is our time over mlx-lm's in the same round, the median shown
+    (one prefill of each, as in the timed table, moves 10-25% from run to run here)."""
+    print(f"\nprefill time over mlx-lm's: median of {rounds} rounds (lowest-highest), fresh caches")
+    print(f"{'prompt':>6} {'kind':>12} | {'whole':>17} {_label(default_window):>17}")
+    windows = [0] if default_window == 0 else [0, default_window]
+    for (depth, kind), ids in prompts.items():
+        if kind not in kinds:
+            continue
+        ratios: dict[int, list[float]] = {w: [] for w in windows}
+        for r in range(rounds):
+            order = ["plain", *windows]
+            order = order[r % len(order):] + order[: r % len(order)]
+            seconds = {}
+            for who in order:
+                if who == "plain":
+                    seconds[who] = len(ids) / run_plain(target, tokenizer, ids, 2)["prefill"]
+                else:
+                    seconds[who] = len(ids) / run_dflash(target, drafter, tokenizer, ids, 2, draft_window=who)["prefill"]
+            for w in windows:
+                ratios[w].append(seconds[w] / seconds["plain"])
+        cells = [f"{np.median(v):4.2f} ({min(v):.2f}-{max(v):.2f})" for v in ratios.values()]
+        print(f"{len(ids):>6} {kind:>12} | " + " ".join(f"{c:>17}" for c in cells), flush=True)
 
 
 def judge(by_window: dict[int, list[Trace]], depths: list[int], profiles: list[CostProfile], default_window: int
@@ -237,6 +295,10 @@ def main() -> None:
     ap.add_argument("--kinds", default="file,conversation,tool")
     ap.add_argument("--timed-kinds", default="file", help="kinds timed side by side (each depth costs 3 prefills)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="paired decodes of auto and plain per timed prompt")
+    ap.add_argument("--prefill-rounds", type=int, default=0,
+                    help="then prefill alone this many times per timed prompt (ours over mlx-lm's, paired)")
+    ap.add_argument("--hogs", type=int, default=0, help="time beside N CPU busy loops (a busy machine)")
     ap.add_argument("--replay", action="store_true", help="no decoding: the saved traces and costs, replayed")
     ap.add_argument("--no-timing", action="store_true", help="traces, acceptance and replay only")
     ap.add_argument("--no-replay", action="store_true", help="no cost profile, no replay")
@@ -264,7 +326,14 @@ def main() -> None:
                                                                       args.max_tokens)
     acceptance_table(by_window, depths)
     if not args.replay and not args.no_timing:
-        timing(target, drafter, tokenizer, prompts, args.timed_kinds.split(","), args.max_tokens, default_window)
+        if args.hogs:
+            print(f"\nthe timed runs beside {args.hogs} CPU busy loop(s)")
+        with cpu_hogs(args.hogs):
+            timing(target, drafter, tokenizer, prompts, args.timed_kinds.split(","), args.max_tokens, default_window,
+                   args.rounds)
+            if args.prefill_rounds:
+                prefill_rounds(target, drafter, tokenizer, prompts, args.timed_kinds.split(","), default_window,
+                               args.prefill_rounds)
     if args.no_replay:
         return
     if args.profile.is_file():
