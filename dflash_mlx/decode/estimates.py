@@ -17,6 +17,8 @@ from typing import Optional
 import numpy as np
 
 SEED_WEIGHT = 2.0  # what a context span's costs seeded from another's count for: its own cycles soon outweigh them
+TRACK = 0.5  # how far each drafting or copy cycle moves the plain estimate toward the plain step its time implies
+TRACK_AFTER = 3.0  # ... once its depth's mean counts this many cycles (before, the mean is still a guess)
 
 
 def span(context: int) -> int:
@@ -152,6 +154,14 @@ class Line:
             fixed, per_token = 0.0, max(wky / wkk, 0.0)
         self.fit = (fixed, per_token)
 
+    def weight(self, k: int) -> float:
+        """How many of depth ``k``'s cycles its mean counts (decaying; 0 if none)."""
+        return self._means.get(k, (0.0, 0.0))[0]
+
+    def mean(self, k: int) -> float:
+        """Depth ``k``'s own mean overhead (it has been seen)."""
+        return self._means[k][1]
+
     @property
     def depths(self) -> int:
         return len(self._means)
@@ -177,6 +187,22 @@ class CycleCosts:
     measured apart in seconds, the kind measured last would look dear. This runs every
     cycle, the plain step of a small model included, so it is arithmetic on floats
     rather than array calls.
+
+    Relative costs hold only while ``plain`` is what a plain step costs now, and a plain
+    step may not run for hundreds of cycles (a loop copied whole) while the machine's
+    load comes and goes. So a drafting or copy cycle of a depth seen before first says
+    what a plain step costs now (its seconds over its depth's mean overhead) and moves
+    ``plain`` a fraction ``TRACK`` of the way; then its depth's mean takes what is left
+    (at most a twentieth of it, once the depth is well measured). A change of load thus
+    shows in ``plain``, where it prices every depth at once, and a single spike (at most
+    four times its prediction, as above) is halved by each cycle after it. A depth seen
+    fewer than ``TRACK_AFTER`` times moves only its own mean, which is still a guess (its
+    first cycles may have been priced against a plain step timed in a spike: a mean
+    below zero, which tracking would take for a plain step dearer still).
+    Without this, beside two CPU busy loops, a plain step timed in a quiet moment stood
+    while copies ran at three to five times its cost; each copy was priced at that many
+    plain steps, short copies and plain steps won, and the tests' looping reply decoded
+    at tau 2.1-4.5 against 4.7-5.0 quiet.
 
     A copy cycle runs no drafter: its overhead is a line of its own, measured from
     the copy cycles alone. Until they have measured two depths, it takes the drafting
@@ -224,7 +250,10 @@ class CycleCosts:
         elif self.plain is None:
             self._early.append((k, seconds, copy))
         else:
-            (self.copying if copy else self.drafting).add(k, seconds / self.plain - 1)
+            line = self.copying if copy else self.drafting
+            if line.weight(k) >= TRACK_AFTER:  # what a plain step costs now, by this cycle
+                self.plain += TRACK * (seconds / (1 + max(line.mean(k), 0.0)) - self.plain)
+            line.add(k, seconds / self.plain - 1)
 
     def merge(self, other: CycleCosts) -> None:
         """Take in another model of the same cycles: plain steps and both lines combined."""
