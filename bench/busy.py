@@ -3,7 +3,9 @@
 A laptop with a browser and an editor open is a busy machine. The load here is one CPU hog
 per core (a Python busy loop each). The pair is the tests' looping one (a small random qwen3
 target that falls into greedy loops, a random drafter: the drafter is never right, copies
-are). Cases: its greedy reply to "hello", which repeats one pattern, and the built-in prompts
+are). Cases: its greedy continuation of "hello world" without the chat template, a loop copies
+take nearly whole (copy-only tau 11.7), its chat reply to "hello" (about 1,250 tokens of varied text before
+its loop: copy-only tau 5.1), and the built-in prompts
 (math, code, chat), new text and loops by turns. Every (source, run) is a
 fresh process, as `dflash-mlx generate` is: the policy learns from nothing each time. The
 figure is decode tokens per second over the case's prompts; the ratio is auto against the
@@ -25,7 +27,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from importlib import resources  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
+from typing import Optional, Union  # noqa: E402
 
 from dflash_mlx.eval import replay  # noqa: E402
 
@@ -44,29 +46,37 @@ def looping_pair() -> Path:
     return folder
 
 
-def child(pair: Path, source: str, prompts: list[str], max_tokens: int) -> None:
-    """One fresh process: decode the prompts with one draft source; print tokens and decode seconds as JSON."""
-    import dflash_mlx
+Prompt = Union[str, dict]  # a user message (through the chat template), or {"raw": text} tokenized as it is
+
+
+def encode(tokenizer, prompt: Prompt) -> list[int]:
     from dflash_mlx.chat_template import prompt_ids, user
 
+    return tokenizer.encode(prompt["raw"]) if isinstance(prompt, dict) else prompt_ids(tokenizer, user(prompt))
+
+
+def child(pair: Path, source: str, prompts: list[Prompt], max_tokens: int) -> None:
+    """One fresh process: decode the prompts with one draft source; print tokens and decode seconds as JSON."""
+    import dflash_mlx
     target, drafter, tokenizer = dflash_mlx.load(str(pair / "random"), str(pair / "target"))
-    tokens, seconds, copies = 0, 0.0, 0
+    tokens, seconds, copies, cycles = 0, 0.0, 0, 0
     for text in prompts:
-        run = dflash_mlx.generate(target, drafter, tokenizer, prompt_ids(tokenizer, user(text)), max_tokens=max_tokens,
+        run = dflash_mlx.generate(target, drafter, tokenizer, encode(tokenizer, text), max_tokens=max_tokens,
                                   draft_source=source)
         decoded = len(run.tokens) - 1
         tokens, seconds = tokens + decoded, seconds + decoded / max(run.generation_tps, 1e-9)
         copies += run.by_source.get("copy", {}).get("cycles", 0)
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "copy_cycles": copies}))
+        cycles += run.cycles
+    print(json.dumps({"tokens": tokens, "seconds": seconds, "copy_cycles": copies, "tau": tokens / max(cycles, 1)}))
 
 
-def measure(pair: Path, source: str, prompts: list[str], max_tokens: int) -> dict:
+def measure(pair: Path, source: str, prompts: list[Prompt], max_tokens: int) -> dict:
     cmd = [sys.executable, __file__, "--child", str(pair), source, json.dumps(prompts), str(max_tokens)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, DFLASH_MLX_BLAS_WARNING="0"))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def rounds(pair: Path, prompts: list[str], max_tokens: int, runs: int) -> list[dict[str, dict]]:
+def rounds(pair: Path, prompts: list[Prompt], max_tokens: int, runs: int) -> list[dict[str, dict]]:
     out = []
     for r in range(runs):
         order = SOURCES[r % 3:] + SOURCES[: r % 3]
@@ -75,14 +85,14 @@ def rounds(pair: Path, prompts: list[str], max_tokens: int, runs: int) -> list[d
 
 
 def report(name: str, results: list[dict[str, dict]]) -> float:
-    print(f"\n{name}: decode tok/s per fresh run (copy cycles of auto)")
+    print(f"\n{name}: decode tok/s per fresh run (auto's tau and copy cycles)")
     ratios = []
     for i, run in enumerate(results):
         speed = {s: r["tokens"] / r["seconds"] for s, r in run.items()}
         ratio = speed["auto"] / max(speed.values())
         ratios.append(ratio)
         print(f"  run {i + 1}: " + " | ".join(f"{s} {speed[s]:7.1f}" for s in SOURCES)
-              + f" | auto/best {ratio:.2f} (auto copied {run['auto']['copy_cycles']} cycles)")
+              + f" | auto/best {ratio:.2f} (auto: tau {run['auto']['tau']:.2f}, {run['auto']['copy_cycles']} copies)")
     print(f"  auto / best source: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}")
     return min(ratios)
 
@@ -128,14 +138,13 @@ def recorded_load(pair: Path, hogs: int, seconds: float, keep: Optional[Path]) -
     return load
 
 
-def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, runs: int, seconds: float,
+def replayed(pair: Path, cases: list[tuple[str, list[Prompt], int]], hogs: int, runs: int, seconds: float,
              keep: Optional[Path] = None) -> None:
     """Traces of the cases and this machine's quiet cycle costs, the slowdown recorded beside the hogs; then auto,
     copy and drafter replayed over them, quiet and from ``runs`` offsets into the load (the same offset for the
     three: the same spikes at the same moments)."""
     import dflash_mlx
     from dflash_mlx.eval import traces
-    from dflash_mlx.chat_template import prompt_ids, user
     from dflash_mlx.decode.policy import COPY, AdaptiveDepth, FixedBlock
 
     load = recorded_load(pair, hogs, seconds, keep)
@@ -149,7 +158,7 @@ def replayed(pair: Path, cases: list[tuple[str, list[str], int]], hogs: int, run
                 "drafter": lambda: AdaptiveDepth(drafter.block_size - 1, copies=False)}
     span = len(load.factors) * load.dt
     for name, prompts, max_tokens in cases:
-        recorded = [traces.record(target, drafter, tokenizer, text, prompt_ids(tokenizer, user(text)), max_tokens)
+        recorded = [traces.record(target, drafter, tokenizer, str(text), encode(tokenizer, text), max_tokens)
                     for text in prompts]
         print(f"\n{name}: replayed tok/s of a fresh process (auto / best source)")
         for label, offsets in (("quiet", [None]), (f"busy ({hogs} hogs)", [i * span / runs for i in range(runs)])):
@@ -182,7 +191,8 @@ def main() -> None:
     pair = looping_pair()
     builtin = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
     held_out = [builtin[kind][0] for kind in ("math", "code", "chat")]
-    cases = [("loop (\"hello\")", ["hello"], args.loop_tokens), ("built-in prompts", held_out, args.prompt_tokens)]
+    cases = [("pure loop (\"hello world\", no template)", [{"raw": "hello world"}], args.loop_tokens),
+             ("loop (\"hello\")", ["hello"], args.loop_tokens), ("built-in prompts", held_out, args.prompt_tokens)]
     if args.replay:
         replayed(pair, cases, args.hogs, args.runs, args.replay, args.recording)
         return

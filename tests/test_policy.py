@@ -334,6 +334,20 @@ def test_the_plain_step_follows_the_load_while_copies_run():
     assert np.isclose(costs.predict_copy(4) / costs.plain, 1.05 + 0.02 * 4, rtol=0.15)
 
 
+def test_plain_steps_between_copies_keep_the_plain_step_true():
+    """Beside busy loops a verify of 16 slows more than a plain step (its BLAS threads wait for a descheduled
+    one). Copies then claim a dearer plain step than the plain steps between them measure; the plain steps must
+    be heard as fast, so that the copies, not the plain step, carry the slowdown."""
+    costs = _quiet_costs()
+    plain = costs.plain
+    for _ in range(60):
+        costs.update(15, 3 * 0.002 * (1.05 + 0.02 * 15), copy=True)
+        for _ in range(3):
+            costs.update(0, 0.002)
+    assert costs.plain == pytest.approx(plain, rel=0.25), (costs.plain, plain)
+    assert costs.predict_copy(15) / costs.plain > 2.5 * (1.05 + 0.02 * 15) * 0.8
+
+
 def test_a_depth_seen_first_prices_itself_not_the_plain_step():
     """A depth's first cycles teach its own mean, whatever the line predicted for it: they leave the plain step
     where it was (a depth seen twice moves it not at all)."""
