@@ -11,6 +11,7 @@ Tokens must be identical across checkouts at temperature 0.
 
     git worktree add /tmp/before HEAD~3
     python bench/revisions.py /tmp/before [--pair bench/.cache/pair-... | bench/.cache/smollm2] [--repeats 3]
+                              [--block-size 0 (the adaptive policy; default 16)]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import dflash_mlx
 from dflash_mlx import generate, load
 sys.path.insert(0, sys.argv[1] + "/bench")
 from common import plain
-draft, target, prompts, max_tokens, block = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+draft, target, prompts, max_tokens, block = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) or None
 t, d, tok = load(draft, target)
 generate(t, d, tok, prompts[0], max_tokens=16, eos_token_ids=[], block_size=block)  # warm-up
 plain(t.model, tok.encode(prompts[0]), 16)
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--pair", type=Path, default=None, help="folder with draft/, target/ [default: newest pair-*]")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts to decode")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="0: the default adaptive policy")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print_machine()
