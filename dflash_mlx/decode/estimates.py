@@ -207,7 +207,8 @@ class CycleCosts:
     Without this, beside two CPU busy loops, a plain step timed in a quiet moment stood
     while copies ran at three to five times its cost; each copy was priced at that many
     plain steps, short copies and plain steps won, and the tests' looping pair decoded its
-    loop at tau 5.3-9.4 against 11.6 quiet (with it: 10.9-11.6; docs/benchmarks.md).
+    loop at tau 5.3-11.1, under 10 in 10 runs of 11, against 11.6 quiet (with it: 10.9-11.6;
+    docs/benchmarks.md).
 
     A copy cycle runs no drafter: its overhead is a line of its own, measured from
     the copy cycles alone. Until they have measured two depths, it takes the drafting
