@@ -3,10 +3,10 @@
 A laptop with a browser and an editor open is a busy machine. The load here is one CPU hog
 per core (a Python busy loop each). The pair is the tests' looping one (a small random qwen3
 target that falls into greedy loops, a random drafter: the drafter is never right, copies
-are). Cases: its greedy continuation of "hello world" without the chat template, a loop copies
-take nearly whole (copy-only tau 11.7), its chat reply to "hello" (about 1,250 tokens of varied text before
-its loop: copy-only tau 5.1), and the built-in prompts
-(math, code, chat), new text and loops by turns. Every (source, run) is a
+are). Cases: its greedy continuation of "hello world" without the chat template, a loop
+copies take nearly whole (copy-only tau 11.7); its chat reply to "hello" (about 1,250 tokens
+of varied text before its loop: copy-only tau 5.1); and the built-in prompts (math, code,
+chat), new text and loops by turns. Every (source, run) is a
 fresh process, as `dflash-mlx generate` is: the policy learns from nothing each time. The
 figure is decode tokens per second over the case's prompts; the ratio is auto against the
 best of the three sources in the same round (the sources run back to back, in rotating order).

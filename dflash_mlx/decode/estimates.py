@@ -190,25 +190,25 @@ class CycleCosts:
 
     Relative costs hold only while ``plain`` is what a plain step costs now, and a plain
     step may not run for hundreds of cycles (a loop copied whole) while the machine's
-    load comes and goes. So a drafting or copy cycle of a well-measured depth first says
-    what a plain step costs now (its seconds over its depth's mean overhead) and moves
-    ``plain`` a fraction ``TRACK`` of the way; then its depth's mean takes what is left
-    (at most a twentieth of it, once the depth is well measured). A change of load thus
-    shows in ``plain``, where it prices every depth at once, and a single spike (at most
-    four times its prediction: a stall is not a cost) is halved by each cycle after it. A depth seen
-    fewer than ``TRACK_AFTER`` times moves only its own mean, which is still a guess (its
-    first cycles may have been priced against a plain step timed in a spike: a mean
-    below zero, which tracking would take for a plain step dearer still). A plain step
-    itself moves ``plain`` at least ``TRACK / 2`` of the way: where the load slows a
-    verify more than a plain step (beside busy loops, a 16-row product waits for a
-    descheduled BLAS thread), the tracked cycles overstate the plain step, and the plain
+    load comes and goes. So a cycle of a depth seen ``TRACK_AFTER`` times or more first
+    says what a plain step costs now (its seconds over its depth's own mean overhead)
+    and moves ``plain`` a fraction ``TRACK`` of the way; its depth's mean takes what is
+    left. A change of load thus shows in ``plain``, which prices every depth at once,
+    and a spike (capped at four times its prediction) is halved by each cycle after it.
+    A depth seen fewer times teaches only its own mean, still a guess (priced against a
+    plain step timed in a spike, it can fall below zero).
+
+    A plain step moves ``plain`` at least ``TRACK / 2`` of the way: where the load slows
+    a verify more than a plain step (beside busy loops, a 16-row product waits for a
+    descheduled BLAS thread), tracked cycles overstate the plain step, and the plain
     steps between them must be heard as fast. Half, because a plain step started before
-    the previous one was read is timed from that read: such steps alternate short and long.
-    Without this, beside two CPU busy loops, a plain step timed in a quiet moment stood
-    while copies ran at three to five times its cost; each copy was priced at that many
-    plain steps, short copies and plain steps won, and the tests' looping pair decoded its
-    loop at tau 5.3-11.1, under 10 in 10 runs of 11, against 11.6 quiet (with it: 10.9-11.6;
-    docs/benchmarks.md).
+    the previous one was read is timed from that read, so such steps alternate short
+    and long.
+
+    Without both, beside two CPU busy loops, a plain step timed in a quiet moment stood
+    while copies ran at three to five times its cost; short copies and plain steps won,
+    and the tests' looping pair decoded its loop at tau 5.3-11.1 (under 10 in 10 runs
+    of 11) against 11.6 quiet; with them 10.9-11.6 (docs/benchmarks.md).
 
     A copy cycle runs no drafter: its overhead is a line of its own, measured from
     the copy cycles alone. Until they have measured two depths, it takes the drafting
