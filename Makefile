@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install agents chat pair pair-quick bench clean
+.PHONY: test install agents refs chat pair pair-quick bench clean
 
 install: $(STAMP)
 
@@ -43,11 +43,22 @@ $(AGENTS)/.installed: Makefile
 		touch $@; \
 	else echo "could not install the agent CLIs from npm: their tests will skip"; fi
 
+# mlx-vlm's implementations of the drafter families ported here, as published on PyPI (only its wheel: it is not
+# installed). tests/test_drafter_families.py drafts with them beside ours; without the wheel those tests skip.
+REFS := .refs
+MLX_VLM_WHEEL := mlx-vlm==0.7.10
+refs: $(REFS)/.fetched
+
+$(REFS)/.fetched: Makefile
+	@mkdir -p $(REFS)
+	@if $(PY) -m pip download -q --no-deps --dest $(REFS) $(MLX_VLM_WHEEL) >/dev/null 2>&1; then touch $@; \
+	else echo "could not download $(MLX_VLM_WHEEL): the drafter parity tests will skip"; fi
+
 # ruff first (seconds; its rules are in pyproject.toml), then the suite. Two workers: the suite's tests are mostly
 # single-threaded Python around tiny models (measured here, 2 cores:
 # 11.3 minutes against about 16 in one process). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) agents
+test: $(STAMP) agents refs
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
@@ -57,4 +68,4 @@ bench: $(STAMP)
 	$(PY) bench/hybrid_rollback.py
 
 clean:
-	rm -rf $(VENV) $(AGENTS) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(AGENTS) $(REFS) build *.egg-info .pytest_cache

@@ -10,12 +10,13 @@ import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import DFlashError, generate, load, make_cache, stream_generate
+from dflash_mlx import DFlashError, Target, generate, load, make_cache, stream_generate
 from dflash_mlx.decode.batch import Batch
 from dflash_mlx.decode.cycle import prefill
 from dflash_mlx.decode.generate import batch_generate, keyword_settings, setup
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.caches import RecurrentCache, trim_to
+from dflash_mlx.models.target import is_tested
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -135,7 +136,7 @@ def test_recurrent_rollback_equals_fresh_run(arch_pairs, name, step_states):
 def test_gpt_oss_sliding_layers_roll_back(arch_pairs):
     """gpt-oss keeps its own 8-token window (in a cache that can roll back), even with a larger user window."""
     target, drafter, tokenizer = arch_pairs["gpt_oss", "random"]
-    assert target.kinds == ["sliding", "full"] * 2 and target.sliding_window == 8
+    assert target.kinds == ["sliding", "full"] * 2
     caches = target.make_cache(window=64, slack=16)
     assert [getattr(c, "window", None) for c in caches] == [8, 64, 8, 64]
     ids = tokenizer.encode(PROMPTS[0])
@@ -155,12 +156,51 @@ def test_logits_equal_model_forward(arch_pairs, name):
         )
 
 
-def test_unsupported_architecture_is_named(tmp_path, models_dir):
+def test_an_architecture_mlx_lm_lacks_is_named(tmp_path, models_dir):
     config = fixtures.target_config("qwen3")
     fixtures.write_target(tmp_path / "t", config)
-    (tmp_path / "t" / "config.json").write_text((tmp_path / "t" / "config.json").read_text().replace('"qwen3"', '"deepseek_v3"'))
-    with pytest.raises(DFlashError, match=r"'deepseek_v3' is not supported; supported: .*qwen3_5.*gpt_oss"):
+    (tmp_path / "t" / "config.json").write_text((tmp_path / "t" / "config.json").read_text().replace('"qwen3"', '"qwen9"'))
+    with pytest.raises(DFlashError, match=r"^target architecture 'qwen9' is not an mlx-lm model"):
         load(str(models_dir / "qwen3-dflash"), str(tmp_path / "t"))
+
+
+def test_a_cache_that_cannot_roll_back_is_refused_naming_layer_and_type(tmp_path):
+    """Llama 4's chunked attention cache drops a chunk's keys when the next one starts: a rollback across that point
+    would need them. Refused before any weight runs, in one line."""
+    text = dict(fixtures._TEXT, model_type="llama4_text", attention_bias=False, attention_chunk_size=8,
+                interleave_moe_layer_step=2, intermediate_size_mlp=128, num_experts_per_tok=1, num_local_experts=2,
+                rope_scaling=None, rope_theta=10000.0, use_qk_norm=True)
+    config = fixtures.target_config("llama4", text_config=text)
+    fixtures.write_target(tmp_path / "t", config, seed=3)
+    fixtures.write_drafter(tmp_path / "d", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    with pytest.raises(DFlashError, match=r"^this llama4 target keeps a ChunkedKVCache for its layer 0, which cannot "
+                                          r"take back rejected drafts: dflash-mlx cannot run it$"):
+        load(str(tmp_path / "d"), str(tmp_path / "t"))
+
+
+def test_an_untested_architecture_runs_after_its_self_check(tmp_path):
+    """StarCoder2 is not among the architectures tested here: it loads (its self-check passes) and is lossless."""
+    config = fixtures.target_config("starcoder2")
+    assert not is_tested("starcoder2")
+    fixtures.write_target(tmp_path / "t", config, seed=7)
+    fixtures.write_drafter(tmp_path / "d", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    target, drafter, tokenizer = load(str(tmp_path / "d"), str(tmp_path / "t"))
+    ids = tokenizer.encode(PROMPTS[0])
+    out = generate(target, drafter, tokenizer, ids, max_tokens=40, block_size=16, eos_token_ids=[])
+    assert out.tokens == plain_greedy(target.model, ids, 40)
+
+
+def test_the_self_check_refuses_caches_that_do_not_roll_back(arch_pairs):
+    """What the self-check sees when a rollback leaves what it should have undone: it refuses in one line."""
+    target, drafter, _ = arch_pairs["qwen3_5", "random"]
+
+    class Forgetful(Target):  # a rollback that keeps everything
+        def rewind(self, caches, length):
+            pass
+
+    with pytest.raises(DFlashError, match=r"does not give its own logits back after a rolled-back verify"):
+        Forgetful(target.model, drafter.target_layer_ids).self_check()
+    Target(target.model, drafter.target_layer_ids).self_check()
 
 
 # Rows of different lengths and acceptances, decoded together (``dflash_mlx.decode.batch``): sliding-window layers and the

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import DFlashError
 from ..models.caches import RecurrentCache, WindowKVCache
-from ..models.target import Target
+from ..models.target import Target, is_tested
 from .cycle import Emitted, InFlight, Row
 from .estimates import CycleCosts
 from .policy import COPY, DRAFTER, AdaptiveDepth, Plan
@@ -47,23 +47,47 @@ def default_max_batch(target: Target, memory_bytes: int) -> int:
     """How many rows of ``ROW_TOKENS`` each fit in half the machine's memory beside the weights (1 to ``MAX_ROWS``).
 
     A row's attention layers, sliding ones too (a batch keeps their whole history), grow
-    with its tokens; a recurrent layer holds its conv and SSM states (float32) whatever
-    the length.
+    with its tokens; a recurrent layer holds its states whatever the length.
     """
-    args = target.lm.args
-    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    attention = sum(kind != "linear" for kind in target.kinds)
-    per_token = 2 * heads * target.head_dim * target.dtype.size * attention
-    recurrent = sum(_state_bytes(layer.linear_attn) for layer, kind in zip(target.body.layers, target.kinds)
-                    if kind == "linear")
+    per_token, fixed = target.cache_bytes
     weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
-    row = per_token * ROW_TOKENS + recurrent
+    row = per_token * ROW_TOKENS + fixed
     return max(1, min(MAX_ROWS, int((memory_bytes / 2 - weights) // row)))
 
 
-def _state_bytes(gdn: Any) -> int:
-    """A GatedDeltaNet layer's states for one row: the conv window and the SSM state, in float32."""
-    return 4 * ((gdn.conv_kernel_size - 1) * gdn.conv_dim + gdn.num_v_heads * gdn.head_v_dim * gdn.head_k_dim)
+_batches: "weakref.WeakKeyDictionary[Target, bool]" = weakref.WeakKeyDictionary()
+
+
+def batches(target: Target) -> bool:
+    """Whether rows of this target can share a pass: attention layers (full or sliding) and GatedDeltaNet layers
+    only (a recurrent state that is saved and replayed, or a layer of several caches, decodes alone), an
+    architecture whose batches are tested here, and a model file that takes the batch's per-row masks (two rows of
+    a token each are run through it once; Gemma 2's attention, for one, does not)."""
+    if target not in _batches:
+        _batches[target] = (all(kind in SOLO for kind in target.kinds) and is_tested(target.model_type)
+                            and _takes_rows(target))
+    return _batches[target]
+
+
+def _takes_rows(target: Target) -> bool:
+    """Two rows of different lengths run together give each row's own logits (a model that broadcasts the batch's
+    masks against its heads where it should not would give others, or fail)."""
+    histories, block = ([5], [5, 7, 9]), mx.array([[1, 2]])
+    layers = [ragged_layer(c) for c in target.make_cache()]
+    alone = []
+    with mx.stream(generation_stream):
+        for history in histories:
+            solo = target.make_cache()
+            target(mx.array([history]), solo, undoable=False)
+            for layer, c in zip(layers, solo):
+                layer.append(c)
+            alone.append(target(block, solo)[0])
+        try:
+            together = target(mx.concatenate([block, block]), layers)[0]
+            mx.eval(together, alone)
+        except (ValueError, RuntimeError):  # what MLX raises where the model's shapes do not take the batch's
+            return False
+    return all(mx.allclose(together[i], row[0], rtol=1e-3, atol=1e-3).item() for i, row in enumerate(alone))
 
 
 def check_max_batch(rows: Optional[int]) -> None:
@@ -184,7 +208,7 @@ class Batch:
 
     def __init__(self, target: Target, planner: Optional[BatchPlanner] = None, alone: bool = False) -> None:
         self.target, self.alone = target, alone
-        self.layers = [] if alone else [ragged_layer(kind, target.sliding_window) for kind in target.kinds]
+        self.layers = [] if alone else [ragged_layer(c) for c in target.make_cache()]
         self.rows: list[Row] = []
         self._places: dict[int, int] = {}  # id(row) -> its index in ``rows`` and in every layer
         self.planner = BatchPlanner() if planner is None else planner
@@ -193,9 +217,9 @@ class Batch:
 
     @staticmethod
     def fits(target: Target, cache: DFlashCache) -> bool:
-        """Whether rows of this target and these settings can share a pass (no window over the full-attention
-        layers, no quantized KV cache, one machine)."""
-        return cache.window is None and cache.kv is None and target.group is None
+        """Whether rows of this target and these settings can share a pass: no window over the full-attention
+        layers, no quantized KV cache, one machine, and a target that batches (``batches``)."""
+        return cache.window is None and cache.kv is None and target.group is None and batches(target)
 
     def __len__(self) -> int:
         return len(self.rows)

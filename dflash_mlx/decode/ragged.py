@@ -210,11 +210,15 @@ def _with_row(whole: mx.array, row: int, part: mx.array) -> mx.array:
     return out
 
 
-def ragged_layer(kind: str, window: Optional[int]) -> Any:
-    """The batch's cache for a target layer of ``kind`` (see ``Target.kinds``)."""
-    if kind == "linear":
+def ragged_layer(cache: Any) -> Any:
+    """The batch's cache for a target layer whose cache alone is ``cache`` (a fresh one: ``Target.make_cache``)."""
+    if isinstance(cache, RecurrentCache):
         return RaggedRecurrentCache()
-    return RaggedKVCache(window if kind == "sliding" else None)
+    if isinstance(cache, WindowKVCache):
+        return RaggedKVCache(cache.window)
+    if type(cache) is KVCache:
+        return RaggedKVCache()
+    raise ValueError(f"a batch does not take a {type(cache).__name__}")
 
 
 class RowView:

@@ -15,7 +15,15 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..models.caches import FULL_CONTEXT, KVQuantization, check_block_size, check_draft_window, check_kv, check_window
+from ..models.caches import (
+    FULL_CONTEXT,
+    KVQuantization,
+    check_block_size,
+    check_draft_window,
+    check_kv,
+    check_window,
+    check_window_fits,
+)
 from ..sampling import Sampling
 from .policy import AUTO, check_source
 from .stops import stop_list
@@ -41,6 +49,7 @@ class CacheLayout:
         block_size = drafter.block_size if self.block_size is None else self.block_size
         check_block_size(block_size, drafter)
         check_window(self.window, self.sinks, block_size)
+        check_window_fits(self.window, target)
         check_kv(self.kv, target, self.window)
         draft_window = getattr(drafter, "context_window", FULL_CONTEXT) if self.draft_window is None else self.draft_window
         check_draft_window(draft_window, block_size)

@@ -172,7 +172,7 @@ class DFlashCache:
             return
         held = len(self.tokens) - self.pending  # what the drafter's context caches hold
         try:
-            trim_to(self.target, n)
+            self._target_to(n)
             if n < held:
                 try:
                     trim_to(self.drafter, n)
@@ -199,7 +199,7 @@ class DFlashCache:
         for c in self.drafter:
             c.skip(start)
         copies = [set_layer_state(c, layer_state(t)) for c, t in zip(fresh_target, self.target)]
-        trim_to(copies, start)
+        target.rewind(copies, start)
         self.context = None
         for first in range(start, n, PREFILL_STEP):
             ids = self.tokens[first : min(n, first + PREFILL_STEP)]
@@ -208,6 +208,15 @@ class DFlashCache:
             self._parts.append(features)
             self._pending += len(ids)
             mx.eval(features, [c.state for c in self.drafter])
+
+    def _target_to(self, length: int) -> None:
+        """The target's layers back to ``length`` tokens, as the target takes its caches back (a recurrent layer that
+        keeps part of its last update runs that part again)."""
+        target = self.pair[0]
+        if target is None:
+            trim_to(self.target, length)
+        else:
+            target.rewind(self.target, length)
 
     def check_pair(self, target: Any, drafter: Any) -> None:
         """Refuse to serve another pair: one of the same shapes would run on these caches and answer wrongly."""
@@ -241,7 +250,7 @@ class DFlashCache:
         appended to the pending context (never replace it: a cycle that did not
         draft has not passed the earlier ones to the drafter).
         """
-        trim_to(self.target, len(self.tokens) + len(kept))
+        self._target_to(len(self.tokens) + len(kept))
         self.tokens.extend(kept)
         if self.drafter:
             self._parts.append(features)
@@ -278,7 +287,7 @@ class DFlashCache:
         """
         n = len(self.tokens)
         try:
-            trim_to(self.target, n)
+            self._target_to(n)
             for c in self.drafter:  # a drafter pass stopped before dropping its block
                 if c.offset > n:
                     trim_to([c], n)

@@ -18,11 +18,11 @@ holds which position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, _BaseCache
 
 from ..errors import DFlashError
 
@@ -41,6 +41,15 @@ def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> 
         raise DFlashError(f"sinks must be >= 0, got {sinks}")
     if sinks >= window:
         raise DFlashError(f"sinks ({sinks}) must be smaller than the window ({window})")
+
+
+def check_window_fits(window: Optional[int], target: Any) -> None:
+    """A window bounds the target's attention caches one per layer: a layer that keeps several (mlx-lm's
+    ``CacheList``: a sparse-attention indexer beside its keys, a recurrent state beside attention) is not bounded
+    by it, and its model may write those caches directly."""
+    if window is not None and "group" in target.kinds:
+        raise DFlashError(f"--window: this {target.model_type} target keeps several caches per layer, which a window "
+                          "does not bound; run it without --window")
 
 
 FULL_CONTEXT = 0  # ``draft_window`` for a drafter that attends to its whole context
@@ -111,7 +120,7 @@ class KVQuantization:
 
 
 def check_kv(kv: Optional[KVQuantization], target: Any, window: Optional[int]) -> None:
-    """Refuse what mlx-lm's quantized cache cannot hold, before any weight runs."""
+    """Refuse what mlx-lm's quantized cache cannot hold, before a request relies on it."""
     if kv is None:
         return
     if window is not None:
@@ -119,7 +128,12 @@ def check_kv(kv: Optional[KVQuantization], target: Any, window: Optional[int]) -
     if "sliding" in target.kinds:
         raise DFlashError("--kv-bits: this target has sliding-window layers, whose caches mlx-lm cannot quantize "
                           "either")
-    kv.check({target.head_dim})
+    if not any(kind == "full" for kind in target.kinds):
+        raise DFlashError("--kv-bits: this target has no full-attention layer cache to quantize")
+    kv.check(target.attention_dims)
+    if problem := target.quantized_problem(kv.bits, kv.group_size):
+        raise DFlashError(f"--kv-bits: this {target.model_type} target does not run on mlx-lm's quantized KV cache "
+                          f"({problem})")
 
 
 class WindowKVCache(_BaseCache):
@@ -364,6 +378,93 @@ class RecurrentCache(ArraysCache):
         return n
 
 
+class ReplayCache(ArraysCache):
+    """A recurrent layer's state (mlx-lm's ``ArraysCache``: LFM2's short convolutions, Mamba, Nemotron-H, Falcon-H1,
+    Granite hybrids) that can go back to before its last update.
+
+    The layer computes its states inside the model's own forward, so there are no per-step
+    states to keep: before an update that may be rolled back the target saves the states
+    (``save``; MLX arrays are values, so this copies nothing), and ``trim`` restores them. To
+    keep part of an update, the target restores every layer and runs the kept tokens again
+    (``Target.rewind``).
+    """
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.offset = 0  # tokens consumed, as every layer's cache says where it stands
+        self.saved: Optional[list[Optional[mx.array]]] = None  # the states before the last update, while undoable
+        self.last_update = 0
+        self.tokens: Optional[mx.array] = None  # the last update's input, for the target to run again in part
+
+    def save(self, tokens: Optional[mx.array]) -> None:
+        """Before an update over ``tokens`` ([B, S]); None: it cannot be undone (a prefill chunk)."""
+        undoable = tokens is not None
+        self.saved = [a if a is None else a[...] for a in self.cache] if undoable else None
+        self.tokens, self.last_update = tokens, (tokens.shape[1] if undoable else 0)
+
+    def advanced(self, tokens: int) -> None:
+        """After an update of ``tokens`` positions."""
+        self.offset += tokens
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Undo the whole last update (``n`` its length); a partial undo is a restore and a replay."""
+        if n == 0:
+            return 0
+        if self.saved is None or n != self.last_update:
+            raise ValueError(f"a recurrent layer undoes only its whole last update ({self.last_update} tokens), "
+                             f"asked {n}")
+        self.cache, self.saved, self.tokens, self.last_update = self.saved, None, None, 0
+        self.offset -= n
+        return n
+
+
+class CacheGroup(CacheList):
+    """The caches of one layer that go back together (mlx-lm's ``CacheList``: the latent KV and a sparse-attention
+    indexer's keys, or a hybrid layer's recurrent state beside its attention)."""
+
+    def __init__(self, *caches: Any):
+        super().__init__(*caches)
+        self.caches = list(caches)
+
+    @property
+    def offset(self) -> int:
+        return self.caches[0].offset
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        trimmed = {c.trim(n) for c in self.caches}
+        if len(trimmed) != 1:
+            raise ValueError(f"the caches of one layer went back by {sorted(trimmed)} tokens, not alike")
+        return trimmed.pop()
+
+    @property
+    def state(self) -> list[Any]:
+        return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, v: list[Any]) -> None:
+        for c, s in zip(self.caches, v):
+            c.state = s
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+
+def leaves(caches: Iterable[Any]) -> Iterator[Any]:
+    """Every layer cache, those inside a ``CacheGroup`` one by one."""
+    for c in caches:
+        if isinstance(c, CacheGroup):
+            yield from leaves(c.caches)
+        else:
+            yield c
+
+
 def trim_to(caches: list[Any], length: int) -> None:
     """Trim every layer's cache back to ``length`` tokens; layers already there are left alone.
 
@@ -377,6 +478,7 @@ def trim_to(caches: list[Any], length: int) -> None:
 
 # A layer's cache as plain data: its kind, its arrays and its integers. What a snapshot holds and a file stores.
 LayerState = tuple[str, list[mx.array], dict[str, int]]
+GROUP = "group:"  # the kind of a ``CacheGroup``'s state: "group:" and its parts' kinds, joined by "+"
 
 
 def layer_state(c: Any) -> LayerState:
@@ -389,7 +491,7 @@ def layer_state(c: Any) -> LayerState:
         arrays = [] if c.keys is None else [c.keys[..., :n, :], c.values[..., :n, :]]
         return "window", arrays, {"window": c.window, "sinks": c.sinks, "slack": c.slack, "offset": c.offset,
                                   "first": c.first}
-    if isinstance(c, RecurrentCache):
+    if isinstance(c, (RecurrentCache, ReplayCache)):
         return "recurrent", [a[...] for a in c.cache if a is not None], {"offset": c.offset}
     if isinstance(c, KVCache):
         arrays = [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
@@ -397,7 +499,27 @@ def layer_state(c: Any) -> LayerState:
     if isinstance(c, QuantizedKVCache):  # (data, scales, biases) of the keys, then of the values
         arrays = [] if c.keys is None else [a[..., : c.offset, :] for a in (*c.keys, *c.values)]
         return "quantized", arrays, {"offset": c.offset, "bits": c.bits, "group_size": c.group_size}
+    if isinstance(c, CacheGroup):
+        parts = [layer_state(part) for part in c.caches]
+        meta = {f"{i}.{k}": v for i, (_, arrays, m) in enumerate(parts) for k, v in {**m, "arrays": len(arrays)}.items()}
+        return GROUP + "+".join(kind for kind, _, _ in parts), [a for _, arrays, _ in parts for a in arrays], meta
     raise TypeError(f"no snapshot for a {type(c).__name__}")
+
+
+def group_parts(state: LayerState) -> list[LayerState]:
+    """A ``CacheGroup``'s state as its parts' states; ValueError where its fields do not say how (a forged one)."""
+    kind, arrays, meta = state
+    kinds, parts, at = kind[len(GROUP):].split("+"), [], 0
+    for i, part in enumerate(kinds):
+        own = {k.split(".", 1)[1]: v for k, v in meta.items() if k.split(".", 1)[0] == str(i)}
+        n = own.pop("arrays", None)
+        if n is None or n < 0 or at + n > len(arrays):
+            raise ValueError(f"a layer group's part {i} does not say its arrays")
+        parts.append((part, arrays[at : at + n], own))
+        at += n
+    if at != len(arrays):
+        raise ValueError("a layer group holds arrays none of its parts claims")
+    return parts
 
 
 def misfit(state: LayerState, reference: LayerState, fresh: Any, kv: Optional[KVQuantization]) -> Optional[str]:
@@ -409,6 +531,15 @@ def misfit(state: LayerState, reference: LayerState, fresh: Any, kv: Optional[KV
     """
     kind, arrays, meta = state
     ref_kind, refs, _ = reference
+    if kind.startswith(GROUP) and ref_kind == kind and isinstance(fresh, CacheGroup):
+        try:
+            parts = group_parts(state)
+        except ValueError as e:
+            return str(e)
+        for i, (part, ref, c) in enumerate(zip(parts, group_parts(reference), fresh.caches)):
+            if problem := misfit(part, ref, c, kv):
+                return f"part {i} {problem}"
+        return None
     if kind == "quantized" and ref_kind == "full" and kv is not None:
         if (meta.get("bits"), meta.get("group_size")) != (kv.bits, kv.group_size):
             return f"is quantized to {meta.get('bits')} bits in groups of {meta.get('group_size')}, not as --kv-bits"
@@ -420,6 +551,8 @@ def misfit(state: LayerState, reference: LayerState, fresh: Any, kv: Optional[KV
         refs = [(r.shape, r.dtype) for r in refs]
     if arrays and len(arrays) != len(refs):
         return f"has {len(arrays)} arrays, this model's {len(refs)}"
+    if "offset" not in meta:
+        return "does not say how many tokens it holds"
     length = None if kind == "recurrent" else fresh._stored(meta["offset"]) if kind == "window" else meta["offset"]
     for a, (shape, dtype) in zip(arrays, refs):
         want = tuple(shape) if length is None else (*shape[:-2], length, shape[-1])
@@ -435,8 +568,14 @@ def set_layer_state(c: Any, state: LayerState) -> Any:
     kind, arrays, meta = state
     if kind == "quantized" and type(c) is KVCache:
         c = QuantizedKVCache(meta["group_size"], meta["bits"])
-    if kind != layer_state(c)[0] or len(arrays) not in ((0, 6) if kind == "quantized" else (0, 2)):
+    if kind != layer_state(c)[0]:
         raise ValueError(f"a {kind} layer state does not fit a {type(c).__name__}")
+    if isinstance(c, CacheGroup):
+        c.caches = [set_layer_state(part, s) for part, s in zip(c.caches, group_parts(state))]
+        return c
+    sizes = {"quantized": 6, "recurrent": len(getattr(c, "cache", ()))}
+    if len(arrays) not in (0, sizes.get(kind, 2)):
+        raise ValueError(f"a {kind} layer state of {len(arrays)} arrays does not fit a {type(c).__name__}")
     arrays = [a[...] for a in arrays]  # writes to this cache must not reach the snapshot's objects
     if kind == "quantized":
         c.keys, c.values = (tuple(arrays[:3]), tuple(arrays[3:])) if arrays else (None, None)
@@ -446,8 +585,11 @@ def set_layer_state(c: Any, state: LayerState) -> Any:
         c.keys, c.values = arrays if arrays else (None, None)
         c.first = meta.get("first", max(0, meta["offset"] - c.ring))  # a file from before skips: what a ring held
     elif kind == "recurrent":
-        c.cache = arrays if arrays else [None, None]
-        c.replay, c.last_update = None, 0
+        c.cache = arrays if arrays else [None] * len(c.cache)
+        if isinstance(c, ReplayCache):
+            c.saved, c.tokens, c.last_update = None, None, 0
+        else:
+            c.replay, c.last_update = None, 0
     else:
         c.keys, c.values = arrays if arrays else (None, None)
     c.offset = meta["offset"]
@@ -460,10 +602,19 @@ REWINDABLE = ("full", "quantized")  # layer kinds that go back to any point of t
 def rewindable_kinds(kinds: Iterable[str]) -> bool:
     """Whether layers of these kinds can all go back to any point of their history: the one definition, for
     caches in memory, their snapshots and their files."""
-    return all(kind in REWINDABLE for kind in kinds)
+    return all(kind in REWINDABLE or (kind.startswith(GROUP) and rewindable_kinds(kind[len(GROUP):].split("+")))
+               for kind in kinds)
 
 
 def rewindable(layers: list[Any]) -> bool:
     """Whether these layer caches can go back to any point of their history (full attention, quantized or not)."""
-    return rewindable_kinds("full" if type(c) is KVCache else "quantized" if type(c) is QuantizedKVCache else "other"
-                            for c in layers)
+    return rewindable_kinds(layer_kind(c) for c in layers)
+
+
+def layer_kind(c: Any) -> str:
+    """The kind ``layer_state`` gives this cache, without taking its arrays."""
+    if isinstance(c, CacheGroup):
+        return GROUP + "+".join(layer_kind(part) for part in c.caches)
+    kinds = {WindowKVCache: "window", RecurrentCache: "recurrent", ReplayCache: "recurrent", KVCache: "full",
+             QuantizedKVCache: "quantized"}
+    return kinds.get(type(c), "other")

@@ -37,6 +37,7 @@ Cache = Union[KVCache, WindowKVCache]
 # How many context positions a drafter attends to unless its bundle or the caller says otherwise (0: all of them).
 # The published drafters are trained on short contexts; see the README's "long prompts" for the measurement.
 DRAFT_WINDOW = 0
+GEMMA4_MASK_TOKEN = 4
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -68,6 +69,8 @@ class DrafterArgs(BaseModelArgs):
     layer_types: Optional[list[str]] = None
     sliding_window: Optional[int] = None
     is_causal: Optional[bool] = None
+    model_type: Optional[str] = None
+    final_logit_softcapping: Optional[float] = None  # Transformers 5 exports (Gemma 4) keep it at the top level
 
     def __post_init__(self) -> None:
         # transformers >= 5 nests the rope settings under rope_parameters.
@@ -101,9 +104,11 @@ class DrafterArgs(BaseModelArgs):
 
     @property
     def mask_token_id(self) -> int:
-        if "mask_token_id" not in self.dflash_config:
-            raise DFlashError("drafter config has no dflash_config.mask_token_id")
-        return int(self.dflash_config["mask_token_id"])
+        if "mask_token_id" in self.dflash_config:
+            return int(self.dflash_config["mask_token_id"])
+        if str(self.model_type).startswith("gemma4"):  # z-lab's Gemma 4 drafters leave out Gemma's <mask> (id 4)
+            return GEMMA4_MASK_TOKEN
+        raise DFlashError("drafter config has no dflash_config.mask_token_id")
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -310,9 +315,13 @@ class Drafter(nn.Module):
                 caches.append(KVCache())
         return caches
 
+    def fuse(self, features: mx.array) -> mx.array:
+        """The context the layers take from the target's features (its chosen layers, concatenated)."""
+        return self.hidden_norm(self.fc(features))
+
     def add_context(self, features: mx.array, cache: list[Cache]) -> None:
         """Append context K/V without drafting (prefill): only fc, hidden_norm and k/v projections run."""
-        context = self.hidden_norm(self.fc(features))
+        context = self.fuse(features)
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.context_kv(context, c.offset))
 
@@ -324,7 +333,7 @@ class Drafter(nn.Module):
         own K/V are dropped again, so the cache holds committed context only.
         With ``Blocks`` (training) the features are the whole context and nothing is kept.
         """
-        context = self.hidden_norm(self.fc(features))
+        context = self.fuse(features)
         caches = [cache] * len(self.layers) if isinstance(cache, Blocks) else cache
         h = block
         for layer, c in zip(self.layers, caches):

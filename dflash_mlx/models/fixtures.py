@@ -110,21 +110,116 @@ _ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
 }
+S, F = "sliding_attention", "full_attention"
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "norm_topk_prob": True}
 _HYBRID = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
            "partial_rotary_factor": 0.25}
-# Tiny but complete settings each architecture's ModelArgs needs beyond the common ones.
+# The text settings ``target_config`` puts at the top level, for the wrappers that read only their text_config.
+_TEXT = {"hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+         "vocab_size": 384}
+# Gemma 3: layers 2 and 5 global, the rest sliding over 8 positions.
+_GEMMA3 = {"num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 3, "query_pre_attn_scalar": 16,
+           "rope_local_base_freq": 10000.0, "rope_scaling": None}
+# Gemma 4: sliding and global layers with different head sizes, the last 3 layers sharing the KV of earlier ones,
+# per-layer input embeddings, final soft-capping.
+_GEMMA4 = {"num_hidden_layers": 6, "layer_types": [S, S, F, S, S, F], "sliding_window": 8, "sliding_window_pattern": 3,
+           "global_head_dim": 32, "num_kv_shared_layers": 3, "hidden_size_per_layer_input": 8,
+           "vocab_size_per_layer_input": 384, "use_double_wide_mlp": True, "attention_k_eq_v": False,
+           "enable_moe_block": False, "final_logit_softcapping": 30.0, "tie_word_embeddings": False,
+           "rope_parameters": {F: {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+                               S: {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"}}}
+# DeepSeek-V3 (Kimi K2.x inside): MLA latents in the cache, layer 0 dense then MoE with a shared expert.
+_DSV3 = {"kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+         "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+         "first_k_dense_replace": 1, "moe_layer_freq": 1, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc",
+         "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "attention_bias": False,
+         "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
+                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+# Tiny but complete settings each architecture's ModelArgs (and transformers' config check, which mlx-lm's loader
+# runs) needs beyond the common ones.
 ARCH_EXTRAS: dict[str, dict[str, Any]] = {
     "qwen3_moe": _MOE,
     "qwen3_5": dict(_HYBRID, rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
     "qwen3_5_moe": dict(_HYBRID, **_MOE, shared_expert_intermediate_size=64,
                         rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}),
     "qwen3_next": dict(_HYBRID, **_MOE, shared_expert_intermediate_size=64),
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-                "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "layer_types": [S, F] * 2},
+    "gemma3_text": _GEMMA3,
+    "gemma3": {"text_config": dict(_TEXT, model_type="gemma3_text", **_GEMMA3)},
+    "gemma4_text": _GEMMA4,
+    "gemma4": {"text_config": dict(_TEXT, model_type="gemma4_text", **_GEMMA4)},
+    "gemma2": {"num_hidden_layers": 6, "intermediate_size": 256, "rope_theta": 1000.0, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+    "kimi_k25": {"text_config": dict(_TEXT, model_type="kimi_k2", rope_theta=10000.0, rms_norm_eps=1e-6,
+                                     **dict(_DSV3, n_group=1))},
+    "deepseek_v3": _DSV3,
+    "deepseek_v2": {"kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                    "v_head_dim": 16, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 64, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                    "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}},
+    # GLM-5.1: DeepSeek sparse attention, whose indexer picks 8 keys (so it selects past 8 tokens).
+    "glm_moe_dsa": dict({k: v for k, v in _DSV3.items() if k != "rope_scaling"}, n_group=1, index_head_dim=16,
+                        index_n_heads=4, index_topk=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+                   "shared_intermediate_size": 0, "rotary_dim": 8, "use_qk_norm": True, "scoring_func": "sigmoid"},
+    "laguna": {"sliding_window": 8, "layer_types": [S, S, S, F], "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+               "shared_expert_intermediate_size": 64, "gating": True,
+               "rope_parameters": {F: {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 1024, "partial_rotary_factor": 0.5},
+                                   S: {"rope_type": "default", "rope_theta": 10000.0}}},
+    "muse_glimmer": {"sliding_window": 8, "layer_types": [S, S, S, F], "post_norm_eps": 1e-8, "qk_scale_factor": 3.87,
+                     "final_logit_softcapping": 20.0, "output_multiplier": 0.19611613513818404},
+    "mistral": {"sliding_window": None},
+    "ministral3": {"layer_types": [S, F] * 2, "sliding_window": 8,
+                   "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                       "llama_4_scaling_beta": 0.1, "rope_theta": 1e6}},
+    "phi3": {"pad_token_id": 0},
+    "olmo3": {"sliding_window": 8, "layer_types": [S, S, S, F]},
+    "granite": {"attention_multiplier": 0.0625, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "logits_scaling": 8.0, "attention_bias": False, "mlp_bias": False},
+    "smollm3": {"pad_token_id": 0, "bos_token_id": None, "no_rope_layer_interval": 4, "no_rope_layers": [1, 1, 1, 0]},
+    "exaone4": {"sliding_window": 8, "sliding_window_pattern": "LLLG", "layer_types": [S, S, S, F], "rope_scaling": None},
+    "cohere2": {"layer_norm_eps": 1e-5, "logit_scale": 0.0625, "sliding_window": 8, "num_hidden_layers": 6,
+                "sliding_window_pattern": 4, "attention_bias": False, "layer_norm_bias": False},
+    "glm4": {"attention_bias": True, "partial_rotary_factor": 0.5},
+    "lfm2": {"norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 192,
+             "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True,
+             "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # Mamba-2 mixers (M), attention without RoPE (*), MLP (-) and MoE (E) blocks: 3 caches for 6 layers.
+    "nemotron_h": {"num_hidden_layers": 6, "hybrid_override_pattern": "M-*-ME", "attention_bias": False,
+                   "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 16,
+                   "conv_kernel": 4, "n_groups": 2, "mlp_bias": False, "layer_norm_epsilon": 1e-5, "use_bias": False,
+                   "use_conv_bias": True, "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
+                   "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1,
+                   "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0},
+    # A Mamba-2 mixer and attention side by side in every layer: one CacheList(ArraysCache, KVCache) each.
+    "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_conv": 4,
+                  "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_expand": 1, "mamba_conv_bias": True,
+                  "mamba_proj_bias": False, "mamba_rms_norm": False, "mamba_norm_before_gate": False,
+                  "projectors_bias": False, "attention_bias": False, "mlp_bias": False, "rms_norm_eps": 1e-5},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "layer_norm_epsilon": 1e-5, "conv_kernel": 4,
+               "n_groups": 2, "use_bias": False, "use_conv_bias": True, "time_step_limit": [0.0, float("inf")],
+               "time_step_rank": "auto"},
+    "starcoder2": {"norm_epsilon": 1e-5},  # not among the tested ones: a target that runs after its self-check
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"], "attention_bias": False,
+                         "embedding_multiplier": 12.0, "attention_multiplier": 0.0625, "logits_scaling": 4.0,
+                         "residual_multiplier": 0.22, "position_embedding_type": "nope", "mamba_n_heads": 4,
+                         "mamba_d_head": 32, "mamba_expand": 2, "mamba_proj_bias": False, "mamba_d_state": 16,
+                         "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True, "num_local_experts": 4,
+                         "num_experts_per_tok": 2, "shared_intermediate_size": 64},
 }
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's settings of a config (a multimodal wrapper's ``text_config``)."""
+    return config.get("text_config") or config
 
 
 def target_config(
@@ -173,16 +268,29 @@ def write_target(
     is varied, which makes token-for-token comparisons more searching.
     """
     path.mkdir(parents=True, exist_ok=True)
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    mx.random.seed(seed)
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    weights = {k: v if "norm" in k else v * init_scale for k, v in tree_flatten(model.parameters())}
+    model = _model(config, seed)
+    weights = {}
+    for k, v in tree_flatten(model.parameters()):
+        if v.ndim >= 2 and not mx.any(v != 0).item():  # an MoE router starts at zero: random, so tokens route apart
+            v = 0.5 * mx.random.normal(v.shape).astype(v.dtype)
+        elif "norm" not in k and not k.endswith(("A_log", "dt_bias")):  # a state's decay stays as initialised
+            v = v * init_scale
+        weights[k] = v
     _save(path, weights)
     size = write_tokenizer(path, tokenizer_vocab or config["vocab_size"])
     assert size <= config["vocab_size"], "tokenizer larger than the model vocabulary"
     config = dict(config, eos_token_id=vocab_id(path, "<|im_end|>"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def _model(config: dict[str, Any], seed: int) -> Any:
+    """A random mlx-lm model of ``config`` (the model file mlx-lm's loader takes for its type)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(config['model_type'], config['model_type'])}")
+    mx.random.seed(seed)
+    return arch.Model(arch.ModelArgs.from_dict(config))
 
 
 def drafter_config(
@@ -194,6 +302,7 @@ def drafter_config(
     **extra: Any,
 ) -> dict[str, Any]:
     """A z-lab style drafter config for ``target``'s shapes."""
+    target = dict(text_config(target), vocab_size=target.get("vocab_size", text_config(target)["vocab_size"]))
     if mask_token_id is None:
         mask_token_id = SPECIAL_TOKENS.index("<|mask|>")
     dflash: dict[str, Any] = {"mask_token_id": mask_token_id}
@@ -236,20 +345,57 @@ def write_drafter(
     shards: int = 1,
     init_scale: float = 3.0,
 ) -> Path:
-    """A random drafter checkpoint in the published z-lab layout.
+    """A random drafter checkpoint in its family's published layout (z-lab's DFlash, poolside's Laguna DFlash,
+    Meta's Muse Glimmer assistant: ``config``'s kind).
 
     ``init_scale`` (on non-norm weights) makes the drafts depend visibly on the
     context, so tests can tell a drafter fed the wrong context from a right one.
     """
+    from .loader import DRAFTER_KINDS, drafter_kind
+    from .muse_assistant import RENAMED
+
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model = Drafter(DrafterArgs.from_dict(config))
+    args_class, model_class = DRAFTER_KINDS[drafter_kind(config)]
+    model = model_class(args_class.from_dict(config))
+    published = {v: k for k, v in RENAMED.items()} if model_class.__name__ == "MuseAssistant" else {}
     weights = {
-        k: (v if "norm" in k else v * init_scale).astype(dtype) for k, v in tree_flatten(model.parameters())
+        published.get(k, k): (v if "norm" in k else v * init_scale).astype(dtype)
+        for k, v in tree_flatten(model.parameters())
     }
     _save(path, weights, shards=shards)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def laguna_drafter_config(target: dict[str, Any], num_hidden_layers: int = 2, block_size: int = 8,
+                          sliding_window: int = 12, target_layer_ids: Optional[list[int]] = None) -> dict[str, Any]:
+    """A poolside Laguna DFlash config for ``target``'s shapes: every field its published readers require."""
+    config = drafter_config(target, num_hidden_layers, block_size=block_size, target_layer_ids=target_layer_ids)
+    ids = config["dflash_config"].setdefault("target_layer_ids", list(range(num_hidden_layers)))
+    config["dflash_config"].update(block_size=block_size, num_target_layers=config["num_target_layers"], causal=True)
+    for key in ("auto_map", "block_size", "use_sliding_window"):
+        config.pop(key)
+    config.update(architectures=["LagunaDFlashDraftModel"], model_type="laguna", gating="per-head", qkv_bias=False,
+                  draft_vocab_size=config["vocab_size"], layer_types=["sliding_attention"] * num_hidden_layers,
+                  sliding_window=sliding_window, sliding_windows=[sliding_window] * num_hidden_layers,
+                  eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids])
+    return config
+
+
+def muse_assistant_config(target: dict[str, Any], num_hidden_layers: int = 2, block_size: int = 8,
+                          sliding_window: int = 12, target_layer_ids: Optional[list[int]] = None) -> dict[str, Any]:
+    """A Muse Glimmer assistant config for ``target``'s shapes, as Meta publishes it: its DFlash settings at the top
+    level, no ``dflash_config``, RoPE in ``rope_parameters``."""
+    config = drafter_config(target, num_hidden_layers, block_size=block_size, target_layer_ids=target_layer_ids)
+    dflash = config.pop("dflash_config")
+    for key in ("auto_map", "rope_theta", "rope_scaling", "use_sliding_window", "architectures"):
+        config.pop(key)
+    config.update(model_type="muse_glimmer_assistant", mask_token_id=dflash["mask_token_id"],
+                  target_layer_ids=dflash.get("target_layer_ids", list(range(num_hidden_layers))),
+                  layer_types=["sliding_attention"] * num_hidden_layers, sliding_window=sliding_window,
+                  rope_parameters={"rope_theta": target.get("rope_theta", 10000.0), "rope_type": "default"})
+    return config
 
 
 def dflash2_config(
@@ -331,7 +477,7 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             weights[k] = mx.zeros_like(weights[k])
     target = mx.load(str(target_path / "model.safetensors"))
-    embed = next(v for k, v in target.items() if k.endswith("embed_tokens.weight"))
+    embed = next(v for k, v in target.items() if k.endswith(("embed_tokens.weight", "embeddings.weight")))
     head = next((v for k, v in target.items() if k.endswith("lm_head.weight")), embed)[token]
     e = embed[config["dflash_config"]["mask_token_id"]]
     e = e * mx.rsqrt(mx.mean(e * e) + config["rms_norm_eps"])

@@ -17,9 +17,11 @@ from .. import distributed
 from ..errors import DFlashError, DownloadError
 from .dflash2 import DFlash2Args, DFlash2Drafter
 from .drafter import Drafter, DrafterArgs, NoDrafter
+from .laguna_dflash import LagunaArgs, LagunaDrafter
+from .muse_assistant import MuseAssistant, MuseAssistantArgs
 from .registry import check_bundle, is_bundle, read_manifest
 from .registry import resolve as registry_resolve
-from .target import Target, check_model_type
+from .target import Target, check_model_type, is_tested
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What loading reads, as mlx-lm fetches it, plus drafters' weights under other names. Nothing in
@@ -27,8 +29,11 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # original/ and metal/), two to three times the download.
 DOWNLOAD_PATTERNS = [*DEFAULT_ALLOW_PATTERNS, "*.safetensors", "*.safetensors.index.json"]
 SKIPPED_PATTERNS = ["*/*"]
-# Drafter kinds by the ``architectures`` name in their config.json: the one place a kind is chosen.
-DRAFTER_KINDS = {"DFlashDraftModel": (DrafterArgs, Drafter), "DFlash2DraftModel": (DFlash2Args, DFlash2Drafter)}
+# Drafter kinds: z-lab's by the ``architectures`` name in their config.json, other families by their ``model_type``
+# (``drafter_kind``: the one place a kind is chosen).
+DRAFTER_KINDS = {"DFlashDraftModel": (DrafterArgs, Drafter), "DFlash2DraftModel": (DFlash2Args, DFlash2Drafter),
+                 "laguna": (LagunaArgs, LagunaDrafter), "muse_glimmer_assistant": (MuseAssistantArgs, MuseAssistant)}
+DRAFTER_MODEL_TYPES = ("laguna", "muse_glimmer_assistant")
 # What only a DFlash2 checkpoint has: loading it as v1 would silently drop the conv and the selector.
 DFLASH2_TENSORS = (".attention_conv.", ".mlp_conv.", "candidate_selector.")
 
@@ -146,13 +151,13 @@ def load_drafter(path: Path) -> Drafter:
             f"{path} is not a DFlash drafter (architectures {architectures or 'missing'}, "
             "no dflash_config)"
         )
+    kind = drafter_kind(config)
     unsupported = [a for a in architectures if a not in DRAFTER_KINDS]
-    if unsupported and not set(architectures) & set(DRAFTER_KINDS):
+    if kind == "DFlashDraftModel" and unsupported and not set(architectures) & set(DRAFTER_KINDS):
         raise DFlashError(
             f"drafter architecture {unsupported[0]} is not supported yet; "
             f"supported: {', '.join(DRAFTER_KINDS)}"
         )
-    kind = next((a for a in reversed(DRAFTER_KINDS) if a in architectures), "DFlashDraftModel")
     args_class, model_class = DRAFTER_KINDS[kind]
     if model_class is Drafter:
         _refuse_dflash2_as_v1(path, architectures, config.get("dflash_config") or {})
@@ -311,6 +316,8 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
     adapter = None if adapter_path is None else Path(adapter_path).expanduser()
     model, tokenizer = load_target(target_path, group, chat_template, adapter)
     tgt = Target(model, drafter.target_layer_ids, group)
+    if group is None and not is_tested(tgt.model_type):
+        tgt.self_check()
     tgt.source, tgt.adapter = target_path, adapter  # what a saved cache records
     if isinstance(drafter, Drafter):
         check_pair(tgt, drafter)
@@ -318,6 +325,15 @@ def load(draft: str, target: Optional[str] = None, chat_template: Optional[str] 
         mx.eval(drafter.parameters())
         drafter.context_window = manifest.get("draft_window", drafter.context_window)
     return tgt, drafter, tokenizer
+
+
+def drafter_kind(config: dict[str, Any]) -> str:
+    """Which kind of drafter a config describes (a key of ``DRAFTER_KINDS``)."""
+    if "DFlash2DraftModel" in (config.get("architectures") or []):
+        return "DFlash2DraftModel"
+    if config.get("model_type") in DRAFTER_MODEL_TYPES:
+        return config["model_type"]
+    return "DFlashDraftModel"
 
 
 def is_drafter(path: Path) -> bool:
@@ -331,5 +347,7 @@ def is_drafter(path: Path) -> bool:
 
 
 def _drafter_config(config: dict[str, Any]) -> bool:
-    """A drafter's config: a ``dflash_config``, or a drafter kind among its architectures."""
-    return "dflash_config" in config or bool(set(config.get("architectures") or []) & set(DRAFTER_KINDS))
+    """A drafter's config: a ``dflash_config``, a drafter kind among its architectures, or a drafter family's
+    ``model_type`` (Meta's Muse Glimmer assistant has no ``dflash_config``)."""
+    return ("dflash_config" in config or bool(set(config.get("architectures") or []) & set(DRAFTER_KINDS))
+            or config.get("model_type") == "muse_glimmer_assistant")

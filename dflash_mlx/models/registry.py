@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import DFlashError
-from .target import SUPPORTED_MODEL_TYPES
+from .target import check_model_type, is_tested, mlx_lm_model_type
 
 MANIFEST = "dflash.json"  # marks a converted bundle folder
 
@@ -33,8 +33,13 @@ class Pair:
 
     @property
     def supported(self) -> bool:
-        """Its target architecture is tested lossless here."""
-        return self.model_type in SUPPORTED_MODEL_TYPES
+        """Its target architecture is an mlx-lm model (dflash-mlx runs any)."""
+        return mlx_lm_model_type(self.model_type) is not None
+
+    @property
+    def tested(self) -> bool:
+        """Its target architecture is tested lossless here on tiny checkpoints."""
+        return is_tested(self.model_type)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -147,10 +152,7 @@ def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str
             f"{model} is not in the registry, so its target is unknown: add --target TARGET{near}"
         )
     if not pair.supported and target is None:
-        raise DFlashError(
-            f"{pair.drafter} needs a {pair.model_type} target, an architecture dflash-mlx does not run yet; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        check_model_type(pair.model_type)
     return pair.drafter, target or pair.target, pair
 
 
