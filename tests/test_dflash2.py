@@ -465,7 +465,7 @@ def test_convert_bundle_keeps_conv_and_selector_in_float(d2, models_dir, tmp_pat
 
 
 def test_registry_resolves_the_published_dflash2_drafters():
-    """Qwen3.8-27B resolves to a supported qwen3_5 pair under every name; Muse Glimmer is refused in one line."""
+    """Qwen3.8-27B and Muse Glimmer resolve to their pairs under every name."""
     from dflash_mlx.models import registry
 
     qwen = registry.find("z-lab/Qwen3.8-27B-DFlash2")
@@ -474,11 +474,9 @@ def test_registry_resolves_the_published_dflash2_drafters():
         assert registry.resolve(name) == ("z-lab/Qwen3.8-27B-DFlash2", "Qwen/Qwen3.8-27B", qwen), name
     assert "DFlash2" in qwen.notes and "block 8" in qwen.notes
     muse = registry.find("incoai/Muse-Glimmer-30B-DFlash2")
-    assert muse is not None and muse.drafter == "z-lab/Muse-Glimmer-30B-DFlash2" and not muse.supported
+    assert muse is not None and muse.drafter == "z-lab/Muse-Glimmer-30B-DFlash2" and muse.supported and muse.tested
     for name in ("z-lab/Muse-Glimmer-30B-DFlash2", "incoai/Muse-Glimmer-30B-DFlash2", "Muse-Glimmer-30B-DFlash2"):
-        with pytest.raises(DFlashError, match="muse_glimmer") as err:
-            registry.resolve(name)
-        assert "\n" not in str(err.value) and "does not run yet" in str(err.value), str(err.value)
+        assert registry.resolve(name) == ("z-lab/Muse-Glimmer-30B-DFlash2", "meta-models/Muse-Glimmer-30B", muse)
     names = [n for p in registry.pairs() for n in {n.lower() for n in p.names}]
     assert len(names) == len(set(names)), "a name denotes two registry entries"
 
@@ -490,7 +488,7 @@ def test_models_lists_the_dflash2_drafters_at_80_columns():
     from dflash_mlx.models import registry
 
     rows = {r["drafter"]: r for r in json.loads(CliRunner().invoke(app, ["models", "--json"]).stdout)}
-    assert rows["z-lab/Qwen3.8-27B-DFlash2"]["supported"] and not rows["z-lab/Muse-Glimmer-30B-DFlash2"]["supported"]
+    assert rows["z-lab/Qwen3.8-27B-DFlash2"]["supported"] and rows["z-lab/Muse-Glimmer-30B-DFlash2"]["tested"]
     table = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["models"])
     assert table.exit_code == 0 and "…" not in table.stdout
     lines = table.stdout.splitlines()
@@ -503,7 +501,7 @@ def test_models_lists_the_dflash2_drafters_at_80_columns():
             cells[parts[0]] = parts[1:]
     assert set(cells) == {min(p.names, key=len) for p in registry.pairs()}
     assert cells["Qwen3.8-27B"] == ["Qwen/Qwen3.8-27B", "unknown", "58"]
-    assert cells["Muse-Glimmer-30B"] == ["meta-models/Muse-Glimmer-30B", "unknown", "66", "not", "yet"]
+    assert cells["Muse-Glimmer-30B"] == ["meta-models/Muse-Glimmer-30B", "unknown", "66"]
 
 
 # -- everywhere the v1 drafter goes: chat, bench, serve, doctor --selftest ------------------------

@@ -434,3 +434,22 @@ def test_ctrl_c_says_how_to_resume(tmp_path, models_dir, workdir, monkeypatch):
     resumed = CliRunner().invoke(app, [*args, "--resume"])
     assert resumed.exit_code == 0, resumed.output
     assert len(batches) == 3 and f"{out}: 6 steps" in resumed.stdout
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gemma2", "lfm2"])
+def test_trains_for_any_target(tmp_path, name):
+    """A drafter for a target of another family (Gemma's scaled embedding, 1 + weight norms and soft-capped logits;
+    a hybrid with short-convolution layers): it shares the target's embedding and head with their scale and
+    transforms, and the pair decodes losslessly."""
+    config = fixtures.target_config(name)
+    fixtures.write_target(tmp_path / "target", config, seed=0)
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    result = train(str(tmp_path / "target"), str(tmp_path / "out"), prompts=str(tmp_path / "prompts.jsonl"), steps=6,
+                   eval_prompts=0, **SMALL)
+    draft = json.loads((result.output / "config.json").read_text())["dflash_config"]
+    target, drafter, tokenizer = load(str(result.output), str(tmp_path / "target"))
+    assert {k: v for k, v in draft.items() if k not in ("mask_token_id", "target_layer_ids")} == target.logit_transforms
+    assert ("final_logit_softcapping" in draft) == (name == "gemma2")
+    ids = tokenizer.encode("def parse(text):")
+    out = generate(target, drafter, tokenizer, ids, max_tokens=40, block_size=8, eos_token_ids=[])
+    assert out.tokens == plain_greedy(target.model, ids, 40)

@@ -46,7 +46,7 @@ def print_models(out: Console, rows: list[dict[str, Any]], manifests: dict[Path,
 
     # 80 columns hold every row unbroken: the short name one types, the target repo, and a status that wraps
     # between its words (a missing architecture, gated terms) instead of inside a name.
-    table = Table(title="DFlash drafters on the Hub (z-lab/...)", box=box.SIMPLE_HEAD, pad_edge=False,
+    table = Table(title="DFlash drafters on the Hub", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True, show_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("target", no_wrap=True)
@@ -54,14 +54,16 @@ def print_models(out: Console, rows: list[dict[str, Any]], manifests: dict[Path,
     table.add_column("~GB", justify="right", no_wrap=True)
     table.add_column("status", overflow="fold", min_width=len("downloaded"))
     for r in rows:
-        status = [] if r["supported"] else ["[dim]not yet[/]"]
+        status = [] if r["tested"] else ["[dim]untested[/]"] if r["supported"] else ["[dim]not yet[/]"]
         status += ["converted"] if r["converted"] else (["downloaded"] if r["downloaded"] else [])
         status += ["[dim]gated[/]"] if r["gated"] else []
         table.add_row(r["name"], r["target"], r["thinking"], str(r["memory_gb"]), ", ".join(status))
     out.print(table)
-    out.print("[dim]chat with a name of the first column (dflash-mlx chat Qwen3-8B). not yet: dflash-mlx does not "
-              "run the target's architecture; gated: accept the terms on the model's page, then `hf auth login`; "
-              "--json has every field (architectures, notes)[/]")
+    out.print("[dim]chat with a name of the first column (dflash-mlx chat Qwen3-8B). think: the reasoning mode the "
+              "drafter was trained for (on, off; none: the model has no such mode; unknown: not stated). untested: "
+              "its architecture runs after a self-check on load, untested here; not yet: this mlx-lm has no model "
+              "for it; gated: accept the terms on the model's page, then `hf auth login`; --json has every field "
+              "(architectures, notes)[/]")
     out.print(f"\nconverted bundles (take one alone: dflash-mlx chat FOLDER){': none' if not manifests else ''}")
     for bundle, manifest in manifests.items():
         quant = manifest.get("quantize") or manifest.get("dtype") or "as published"
@@ -95,9 +97,20 @@ def print_machine(out: Console) -> None:
         hosts = ", ".join(f"{r}={h}" for r, h in enumerate(group["hosts"])) or "not named by the launcher"
         out.print(f"group         {group['size']} ranks over {group['backend']} (rank hosts: {hosts}); "
                   f"sharded targets: {', '.join(distributed.SHARDED_MODEL_TYPES)}")
+    out.print(f"targets       {escape(targets_line())}")
     out.print(f"HF cache      {constants.HF_HUB_CACHE}")
     bundles = known_bundles()
     out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (converted ones are listed here)"))
+
+
+def targets_line() -> str:
+    """Which targets run: by their caches' types, and the architectures tested lossless here."""
+    from ..models.target import TESTED_MODEL_TYPES
+
+    return ("any mlx-lm causal LM whose caches roll back: KVCache, RotatingKVCache, QuantizedKVCache (--kv-bits), "
+            "CacheList, ArraysCache (recurrent state, saved and replayed); refused in one line otherwise (e.g. Llama "
+            f"4's ChunkedKVCache). Tested lossless here: {', '.join(TESTED_MODEL_TYPES)}; any other runs after a "
+            "self-check on load")
 
 
 def print_selftest(out: Console, model: str, result: Any, tokenizer: Any, max_tokens: int) -> None:

@@ -80,7 +80,7 @@ def pair_rows(manifests: dict[Path, dict[str, Any]]) -> list[dict[str, Any]]:
         converted.setdefault(manifest.get("drafter"), []).append(str(bundle))
     return [
         dict(name=min(p.names, key=len), drafter=p.drafter, target=p.target, architecture=p.model_type,
-             supported=p.supported,
+             supported=p.supported, tested=p.tested,
              thinking=p.thinking, memory_gb=p.memory_gb, gated=p.gated, notes=p.notes,
              downloaded=p.drafter in cached and p.target in cached, converted=converted.get(p.drafter, []))
         for p in pairs()

@@ -525,10 +525,16 @@ class Target:
         return h if scale == 1.0 else h * mx.array(scale, dtype=h.dtype)
 
     @cached_property
-    def head(self) -> Callable[[mx.array], mx.array]:
-        """The vocabulary projection: the model's own LM head, or its tied embedding."""
+    def head_module(self) -> nn.Module:
+        """The module whose weight is the vocabulary projection: the model's own LM head, or its tied embedding."""
         module = _child(self.lm, HEAD_NAMES, nn.Module)
-        return module if module is not None else self.embedding.as_linear
+        return module if module is not None else self.embedding
+
+    @property
+    def head(self) -> Callable[[mx.array], mx.array]:
+        """The vocabulary projection, as a function of the final hidden state."""
+        module = self.head_module
+        return module.as_linear if module is self.embedding else module
 
     def lm_head(self, h: mx.array) -> mx.array:
         logits = self.head(h)

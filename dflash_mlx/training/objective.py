@@ -113,7 +113,7 @@ class Head:
     @classmethod
     def of(cls, target: Target, sequences: Sequences) -> Optional[Head]:
         """The sub-head, or None where the head is not a plain (or quantized) matrix: then the full head scores."""
-        module = getattr(target.lm, "lm_head", None) or target.body.embed_tokens
+        module = target.head_module
         if getattr(target.lm, "sharding_group", None) is not None or "bias" in module:
             return None
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
