@@ -91,11 +91,11 @@ def build(args: argparse.Namespace) -> Path:
     return bundle
 
 
-def measure(bundle: Path, prompts: int, max_tokens: int) -> None:
+def measure(bundle: Path, prompts: int, max_tokens: int, folder: Path = FOLDER) -> None:
     """Each dataset through `dflash-mlx bench` (plain and DFlash side by side, tokens compared), then one table."""
     rows = []
     for name in DATASETS:
-        out = FOLDER / f"bench-{name}.json"
+        out = folder / f"bench-{name}.json"
         command = [str(Path(sys.executable).parent / "dflash-mlx"), "bench", str(bundle), "--dataset", name, "--num-prompts",
                    str(prompts), "--max-tokens", str(max_tokens), "--json", str(out), "--force"]
         if name == "humaneval":

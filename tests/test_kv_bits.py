@@ -181,3 +181,31 @@ def test_a_quantized_entry_read_back_from_disk_serves_a_shared_prefix(kv_pairs, 
     assert after.entries and all(e.rewindable for e in after.entries)
     assert ask(after, second).prompt_cached == 60
     after.close()
+
+
+@pytest.mark.parametrize("model_type, refused", [
+    ("lfm2", None),  # its attention layers quantize; its short-convolution states are saved and replayed as ever
+    ("deepseek_v3", "does not run on mlx-lm's quantized KV cache"),  # its MLA reads its keys as arrays (mlx-lm too)
+    ("gemma3_text", "sliding-window layers"),
+    ("falcon_h1", "no full-attention layer cache to quantize"),  # its attention caches sit in CacheLists
+])
+def test_other_architectures_quantize_their_cache_or_say_why_not(tmp_path, model_type, refused):
+    heads = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}  # groups of 64
+    extra = {"lfm2": dict(heads, block_dim=128), "gemma3_text": heads, "falcon_h1": heads,
+             "deepseek_v3": {"kv_lora_rank": 64, "qk_rope_head_dim": 64}}.get(model_type, {})
+    config = fixtures.target_config(model_type, **extra)
+    fixtures.write_target(tmp_path / "target", config, seed=0)
+    fixtures.write_drafter(tmp_path / "draft", fixtures.drafter_config(config, 1, target_layer_ids=[1]))
+    target, drafter, tokenizer = load(str(tmp_path / "draft"), str(tmp_path / "target"))
+    ids = tokenizer.encode(PROMPT)
+    settings = dict(kv_bits=4, quantized_kv_start=8, prefill_step_size=5)
+    if refused is not None:
+        with pytest.raises(DFlashError, match=refused):
+            generate(target, drafter, tokenizer, ids, max_tokens=4, **settings)
+        return
+    reference = mlx_lm_tokens(target.model, ids, 60, **settings)
+    cache = make_cache(target, drafter, block_size=8, kv=KVQuantization(4, 64, 8))
+    out = generate(target, drafter, tokenizer, ids, max_tokens=60, eos_token_ids=[], block_size=8, cache=cache,
+                   **settings)
+    assert out.tokens == reference
+    assert any(type(c) is QuantizedKVCache for c in cache.target)  # rollbacks ran on quantized caches

@@ -35,13 +35,16 @@ from dflash_mlx.models import fixtures
 from dflash_mlx.server.prompt_cache import STALE_WRITE, CacheLimits, PromptCache
 
 SYSTEM = {"A": "You are the first assistant. " * 40, "B": "You are the second assistant. " * 40}
-LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None)}
+# Every kind of target cache: full attention, a window over it, GatedDeltaNet states, sliding layers (Gemma 3), a
+# layer of a recurrent state and attention (Falcon-H1's CacheList), short-convolution states saved and replayed (LFM2).
+LAYOUTS = {"full": ("qwen3", None), "window": ("qwen3", 48), "hybrid": ("qwen3_5", None),
+           "sliding": ("gemma3_text", None), "group": ("falcon_h1", None), "replayed": ("lfm2", None)}
 BLOCK = 8  # full blocks: every cycle drafts the same, so runs compare cycle by cycle
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    """A full-attention, a windowed and a hybrid (GatedDeltaNet) pair, each with its window setting."""
+    """A pair for each of ``LAYOUTS``, each with its window setting."""
     root = tmp_path_factory.mktemp("layouts")
     pairs = {}
     for name, (model_type, window) in LAYOUTS.items():
@@ -132,7 +135,7 @@ def test_both_caps_evict_the_least_recently_used(layouts):
 def test_a_restart_resumes_from_disk_with_the_same_drafts(layouts, tmp_path):
     """Turn 2 after a restart: read from disk, nothing of turn 1 prefilled again, and every cycle drafts and
     accepts what it would have without the restart (the drafter's context and pending features are saved too)."""
-    for layout in ("full", "hybrid"):
+    for layout in ("full", "hybrid", "sliding", "group", "replayed"):
         pair = layouts[layout]
         directory = tmp_path / layout
         replies = {}

@@ -196,6 +196,31 @@ def test_hybrid_and_sliding_window_targets_decode_together(hybrid, tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("model_type, batches", [("gemma3_text", True), ("falcon_h1", False)])
+def test_other_architectures_in_the_server(tmp_path, model_type, batches):
+    """Gemma 3's sliding layers batch; Falcon-H1's layers (a recurrent state beside attention, saved and replayed)
+    decode one request at a time, said at start-up. Either way, three requests at once each get what they get
+    alone."""
+    config = fixtures.target_config(model_type)
+    fixtures.write_target(tmp_path / "target", config, seed=7)
+    fixtures.write_drafter(tmp_path / "draft", fixtures.drafter_config(config, 2, target_layer_ids=[0, 2]))
+    proc, url = start_server(tmp_path / "draft", tmp_path / "target", "--max-batch", "4")
+    bodies = {
+        "greedy": dict(prompt="def fibonacci(n):\n    return", max_tokens=60, temperature=0),
+        "stop": dict(prompt="import json\nimport os\n\nclass", max_tokens=60, temperature=0, stop=["\n"]),
+        "seeded": dict(prompt="hi", max_tokens=40, temperature=0.8, seed=3, logprobs=1),
+    }
+    try:
+        _each_as_alone(_together(url, bodies), bodies, load(str(tmp_path / "draft"), str(tmp_path / "target")))
+        assert httpx.get(f"{url}/health").json()["batch"]["max"] == (4 if batches else 1)
+    finally:
+        proc.send_signal(2)
+        out, err = finish(proc, 30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    said = f"--max-batch 4: requests run one at a time: this {model_type} target's architecture keeps rows"
+    assert (said in err) != batches, err
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_alone_is_noticed_within_a_cycle(batched, stream):
     """A client killed while its request decodes alone in the batch (nothing else arriving): the row stops within a

@@ -277,15 +277,15 @@ def test_time_budget_run(workdir):
 def _bad_target(root: Path, kind: str) -> str:
     path = root / f"bad-{kind}"
     path.mkdir(exist_ok=True)
-    if kind == "deepseek":
-        (path / "config.json").write_text(json.dumps(fixtures.target_config("deepseek_v3")))
+    if kind == "unknown":
+        (path / "config.json").write_text(json.dumps(fixtures.target_config("qwen9")))
     return str(path)
 
 
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("deepseek", "'deepseek_v3' is not supported"),
+        ("unknown", "'qwen9' is not an mlx-lm model"),
         ("no-config", "has no config.json"),
         ("missing", "no such folder"),
         ("missing-prompts", "no such file"),
@@ -303,7 +303,7 @@ def _bad_target(root: Path, kind: str) -> str:
 )
 def test_bad_input_is_one_clear_error(case, message, workdir, trained):
     target, out, kwargs = str(workdir / "target"), str(workdir / f"out-{case}"), dict(SMALL, steps=2)
-    if case in ("deepseek", "no-config"):
+    if case in ("unknown", "no-config"):
         target = _bad_target(workdir, case)
     elif case == "missing":
         target = str(workdir / "no-such-target")

@@ -129,6 +129,7 @@ def _engine(model: Optional[str], target: Optional[str], chat_template: Optional
     engine = Engine(tgt, drafter, tokenizer, model, decoding, defaults, limits, rows)
     if max_batch is not None and max_batch > 1 and engine.max_batch == 1:
         why = ("--window" if layout.window is not None else "--kv-bits" if layout.kv is not None
-               else "a target sharded over machines")
+               else "a target sharded over machines" if tgt.group is not None
+               else f"this {tgt.model_type} target's architecture")
         warn(f"--max-batch {max_batch}: requests run one at a time: {why} keeps rows from sharing a pass")
     return model, engine

@@ -35,7 +35,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generate_step
 
 from ..decode.generate import generate
 from ..errors import DFlashError
@@ -78,8 +78,25 @@ def respond(
     """The target's greedy replies, EOS included so the drafter also learns to end a reply.
 
     Generated in batches by mlx-lm's ``BatchGenerator`` (several times the throughput of
-    one prompt at a time; same tokens on the fixture pair).
+    one prompt at a time) where the model takes its batches: its first reply is checked
+    against the model's own decoding of that prompt alone, and a model whose attention
+    does not take a batch's padded masks (Gemma 2's, for one) answers one prompt at a time.
     """
+    try:
+        replies = _respond_batched(model, prompts, max_tokens, eos, progress)
+        if not prompts or replies[0] == _respond_alone(model, prompts[0], max_tokens, eos):
+            return replies
+    except (ValueError, RuntimeError):  # what MLX raises where the model's shapes do not take the batch's
+        pass
+    replies = []
+    for done, prompt in enumerate(prompts, 1):
+        replies.append(_respond_alone(model, prompt, max_tokens, eos))
+        progress({"phase": "generate", "done": done, "total": len(prompts)})
+    return replies
+
+
+def _respond_batched(model: nn.Module, prompts: list[list[int]], max_tokens: int, eos: frozenset[int],
+                     progress: Progress) -> list[list[int]]:
     generator = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in sorted(eos)],
                                completion_batch_size=REPLY_BATCH)
     try:
@@ -95,6 +112,15 @@ def respond(
     finally:
         generator.close()
     return [replies[uid] for uid in uids]
+
+
+def _respond_alone(model: nn.Module, prompt: list[int], max_tokens: int, eos: frozenset[int]) -> list[int]:
+    reply = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        reply.append(int(token))
+        if reply[-1] in eos:
+            break
+    return reply
 
 
 # --- checkpoints and evaluation -------------------------------------------------------------
