@@ -198,12 +198,14 @@ def main() -> None:
     bundle = folder / "bundle"
     if not (bundle / "dflash.json").is_file():
         convert(str(draft), str(bundle), target=str(target), dtype="float32")
+    command = Path(sys.executable).parent / "dflash-mlx"  # the venv's: `dflash-mlx` alone needs it activated
     print(f"\nthe pair as one bundle: {bundle}\n  chat with it:  make chat MODEL={bundle}\n"
-          f"  benchmark it:  dflash-mlx bench {bundle} --dataset {folder / 'heldout.jsonl'}")
+          f"  benchmark it:  {command} bench {bundle} --dataset {folder / 'heldout.jsonl'}")
     if summary["speedup"] is None:  # a target that collapsed into loops (a quick budget; a busy machine once)
         print(f"\nverdict: FOR TRYING THE COMMANDS ONLY. All {summary['prompts']} held-out replies were flagged "
               f"({flag_counts(records)}): no speed or tau figure of this pair means anything. For figures, build "
-              "with the default budgets (`make pair`, about an hour on 2 cores) on a quiet machine.")
+              "it with the default budgets (`python bench/build_pair.py`, about an hour on 2 cores) on a quiet "
+              "machine, or use the real pair (`make pair`: SmolLM2-135M-Instruct and a drafter trained for it).")
         return
     s, t = summary["speedup"], summary["tau"]
     print(f"\nverdict: usable for figures. Held-out, greedy, block {args.block_size}: speedup median {s['median']:.2f}x "

@@ -238,8 +238,8 @@ def test_a_truncated_or_foreign_file_is_one_line_and_nothing_is_written(sources,
     write_gguf(sources["qwen3"], good)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size - 1000])
-    with pytest.raises(DFlashError, match="truncated"):
-        convert(str(cut), str(tmp_path / "out"))
+    with pytest.raises(DFlashError, match=r"is truncated: tensor \S+ ends past the end of the file$"):
+        convert(str(cut), str(tmp_path / "out"))  # its own words, not numpy's about a view past the end
     header = tmp_path / "header.gguf"
     header.write_bytes(good.read_bytes()[:200])
     with pytest.raises(DFlashError, match="not a readable GGUF|truncated"):

@@ -365,3 +365,14 @@ def test_chat_template_args_are_defaults_that_requests_override(models_dir, tmp_
             "Good morning to all of you, ")
     finally:
         _ctrl_c(proc, url)
+
+
+def test_max_tokens_is_bounded_by_what_a_context_holds(client, pairs):
+    """10^12 (once taken, then decoded until the client gave up) is a 400 that names the bound; within it, the reply
+    stops where the model's positions end (finish reason "length"), as an agent's 128,000 does on a small model."""
+    for too_many in (10**12, 2**31):
+        with pytest.raises(openai.BadRequestError, match="max_tokens must be between 1 and 2147483647"):
+            client.completions.create(model="any", prompt="hi", max_tokens=too_many, temperature=0)
+    ids = pairs["qwen3"][2].encode("the quick brown fox " * 2000)[:4080]  # 16 of the model's 4096 positions left
+    out = client.completions.create(model="any", prompt=ids, max_tokens=128_000, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4096 - len(ids)

@@ -56,6 +56,24 @@ class _OneLineUsageErrors(TyperGroup):
             sys.exit(1)
         sys.exit(code if type(code) is int else 0)  # a command's own return value is not a status
 
+    # Help shows a flag bare: recent Typers label every option with its type, flags too ("--json <bool>", as if it
+    # took a value). A flag's metavar set empty leaves the type column blank for it, here and in every command.
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _bare_flags(self, ctx)
+        super().format_help(ctx, formatter)
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        command = super().get_command(ctx, name)
+        if command is not None:
+            _bare_flags(command, ctx)
+        return command
+
+
+def _bare_flags(command: Any, ctx: Any) -> None:
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
 
 app = typer.Typer(
     cls=_OneLineUsageErrors,

@@ -40,9 +40,11 @@ def rank_peaks(peak: float, interrupted: bool) -> list[float]:
 
 
 def print_models(out: Console, rows: list[dict[str, Any]], manifests: dict[Path, dict[str, Any]]) -> None:
-    """The pairs as a table that fits 80 columns, a key to it, then the converted bundles."""
+    """The pairs as a table that fits 80 columns, a key to it, then the converted bundles and GGUF models."""
     from rich import box
     from rich.table import Table
+
+    from ..models.registry import converted_models
 
     # 80 columns hold every row unbroken: the short name one types, the target repo, and a status that wraps
     # between its words (a missing architecture, gated terms) instead of inside a name.
@@ -69,6 +71,11 @@ def print_models(out: Console, rows: list[dict[str, Any]], manifests: dict[Path,
         quant = manifest.get("quantize") or manifest.get("dtype") or "as published"
         out.print(f"  {escape(str(bundle))}\n    {escape(str(manifest.get('drafter')))} -> "
                   f"{escape(str(manifest.get('target')))} ({quant})", overflow="fold")
+    models = converted_models()
+    out.print(f"\nmodels converted from GGUF files (a target: --target FOLDER; alone: dflash-mlx chat FOLDER)"
+              f"{': none' if not models else ''}")
+    for folder in models:
+        out.print(f"  {escape(str(folder))}", overflow="fold")
 
 
 def print_machine(out: Console) -> None:
@@ -76,7 +83,7 @@ def print_machine(out: Console) -> None:
     import mlx.core as mx
     from huggingface_hub import constants
 
-    from ..models.registry import known_bundles
+    from ..models.registry import converted_models, known_bundles
     from ..system import blas_check, machine_description, name_conflict
 
     info = machine_description()
@@ -101,6 +108,9 @@ def print_machine(out: Console) -> None:
     out.print(f"HF cache      {constants.HF_HUB_CACHE}")
     bundles = known_bundles()
     out.print("bundles       " + (", ".join(map(str, bundles)) if bundles else "none found (converted ones are listed here)"))
+    models = converted_models()
+    out.print("from GGUF     " + (", ".join(map(str, models)) if models else "none (models `convert` makes of GGUF files "
+                                                                          "are listed here)"))
 
 
 def targets_line() -> str:

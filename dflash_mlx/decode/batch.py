@@ -34,6 +34,7 @@ from ..models.caches import RecurrentCache, WindowKVCache
 from ..models.target import Target, is_tested
 from .cycle import Emitted, InFlight, Row
 from .estimates import CycleCosts
+from .per_pair import PerPair
 from .policy import COPY, DRAFTER, AdaptiveDepth, Plan
 from .ragged import RowView, ragged_layer
 from .transaction import DFlashCache
@@ -176,13 +177,13 @@ class BatchPlanner:
         return out
 
 
-_planners: "weakref.WeakKeyDictionary[Target, dict[int, BatchPlanner]]" = weakref.WeakKeyDictionary()
+_planners = PerPair()
 
 
 def batch_planner(target: Target, drafter: Any) -> BatchPlanner:
     """The batch planner of this loaded pair, shared by its batches in this process, as ``adaptive_policy`` is by
     its generations: the batch's cycle costs it measured (a full block of every row the dearest) carry over."""
-    return _planners.setdefault(target, {}).setdefault(id(drafter), BatchPlanner())
+    return _planners.get(target, drafter, None, BatchPlanner)
 
 
 @dataclass

@@ -106,6 +106,9 @@ class Acceptance:
         return self._expected
 
 
+MIN_SECONDS = 1e-6  # the least a cycle is taken to cost: below any verify, above a clock that did not move
+
+
 @dataclass
 class Line:
     """Overhead of a kind of cycle over a plain step, in plain steps, as a line in its depth: fixed + k * per_token.
@@ -237,6 +240,7 @@ class CycleCosts:
         self.drafting, self.copying = Line(self.decay), Line(self.decay)
 
     def update(self, k: int, seconds: float, copy: bool = False) -> None:
+        seconds = max(seconds, MIN_SECONDS)  # a clock that did not move: the estimates divide by a plain step
         if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
             seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
         if k and self.plain is not None and seconds < self.plain:

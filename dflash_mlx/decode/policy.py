@@ -31,13 +31,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..distributed import from_main
 from ..errors import DFlashError
 from .estimates import Acceptance, CycleCosts, combine, span
+from .per_pair import PerPair
 from .repeats import Repeats
 
 AUTO, DRAFTER, COPY = "auto", "drafter", "copy"
@@ -523,7 +523,7 @@ def _bucket(plan: Plan) -> int:
     return plan.why.bucket if isinstance(plan.why, Decision) else 0
 
 
-_shared: "weakref.WeakKeyDictionary[Any, dict[tuple, AdaptiveDepth]]" = weakref.WeakKeyDictionary()
+_shared = PerPair()
 
 
 def adaptive_policy(target: Any, drafter: Any, windows: tuple[Optional[int], int], block_size: int,
@@ -534,10 +534,7 @@ def adaptive_policy(target: Any, drafter: Any, windows: tuple[Optional[int], int
     acceptance) carries over from one call to the next; a new process, or a newly
     loaded model, measures afresh. A sharded target's ranks agree on rank 0's costs.
     """
-    per_target = _shared.setdefault(target, {})
-    key = (id(drafter), windows, block_size, copies, drafts)  # windows: the target's and the drafter's
-    if key not in per_target:
-        group = getattr(target, "group", None)
-        agree = None if group is None else functools.partial(from_main, g=group)
-        per_target[key] = AdaptiveDepth(block_size - 1, copies=copies, drafter=drafts, agree=agree)
-    return per_target[key]
+    group = getattr(target, "group", None)
+    agree = None if group is None else functools.partial(from_main, g=group)
+    return _shared.get(target, drafter, (windows, block_size, copies, drafts),  # windows: the target's and drafter's
+                       lambda: AdaptiveDepth(block_size - 1, copies=copies, drafter=drafts, agree=agree))

@@ -6,7 +6,6 @@ committed history in agreement through every cycle, however the caller leaves it
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -25,6 +24,7 @@ from ..models.caches import (
     set_layer_state,
     trim_to,
 )
+from .per_pair import PerPair
 from .settings import PREFILL_STEP, CacheLayout
 
 
@@ -378,24 +378,23 @@ class DFlashCache:
             raise RuntimeError("pending features without drafter caches")
 
 
-_references: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[list[LayerState], list[LayerState], mx.array]]]" = (
-    weakref.WeakKeyDictionary())
+_references = PerPair()
 
 
 def _reference(cache: DFlashCache) -> tuple[list[LayerState], list[LayerState], mx.array]:
     """What one token leaves in fresh caches of ``cache``'s pair and layout: (target layers, drafter layers, the
     features), each layer's arrays of this model's dtypes and shapes. Computed once per loaded pair and layout."""
     target, drafter = cache.pair
-    per_target = _references.setdefault(target, {})
-    key = (id(drafter), cache.layout)
-    if key not in per_target:
+
+    def one_token() -> tuple[list[LayerState], list[LayerState], mx.array]:
         target_caches, drafter_caches = cache.fresh()
         _, features = target(mx.array([[0]]), target_caches, last_logits_only=True, undoable=False)
         if drafter_caches:
             drafter.add_context(features, drafter_caches)
         mx.eval(features, [c.state for c in target_caches + drafter_caches])
-        per_target[key] = ([layer_state(c) for c in target_caches], [layer_state(c) for c in drafter_caches], features)
-    return per_target[key]
+        return [layer_state(c) for c in target_caches], [layer_state(c) for c in drafter_caches], features
+
+    return _references.get(target, drafter, cache.layout, one_token)
 
 
 def make_cache(

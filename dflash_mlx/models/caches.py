@@ -26,6 +26,8 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 from ..errors import DFlashError
 
+MAX_WINDOW = 2**30  # positions a window may span: far beyond any model's, and within MLX's 32-bit indices
+
 
 def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> None:
     """Reject window settings that cannot give the promised semantics (sinks are kept positions of a window)."""
@@ -35,6 +37,9 @@ def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> 
         return
     if window < 1:
         raise DFlashError(f"window must be >= 1, got {window}")
+    if window > MAX_WINDOW:
+        raise DFlashError(f"window must be at most {MAX_WINDOW:,} positions, got {window:,} (leave it out to keep "
+                          "the whole context)")
     if window < block_size:
         raise DFlashError(f"window ({window}) must be at least the block size ({block_size})")
     if sinks < 0:
@@ -44,9 +49,12 @@ def check_window(window: Optional[int], sinks: int = 0, block_size: int = 1) -> 
 
 
 def check_window_fits(window: Optional[int], target: Any) -> None:
-    """A window bounds the target's attention caches one per layer: a layer that keeps several (mlx-lm's
-    ``CacheList``: a sparse-attention indexer beside its keys, a recurrent state beside attention) is not bounded
-    by it, and its model may write those caches directly."""
+    """A window within the model's positions (a wider one keeps what no window keeps), over attention caches one per
+    layer: a layer that keeps several (mlx-lm's ``CacheList``: a sparse-attention indexer beside its keys, a
+    recurrent state beside attention) is not bounded by it, and its model may write those caches directly."""
+    if window is not None and target.max_positions is not None and window > target.max_positions:
+        raise DFlashError(f"--window {window:,} is beyond this model's {target.max_positions:,} positions: leave it "
+                          "out to keep the whole context")
     if window is not None and "group" in target.kinds:
         raise DFlashError(f"--window: this {target.model_type} target keeps several caches per layer, which a window "
                           "does not bound; run it without --window")
@@ -61,6 +69,9 @@ def check_draft_window(draft_window: Optional[int], block_size: int = 1) -> None
         return
     if isinstance(draft_window, bool) or not isinstance(draft_window, int) or draft_window < 0:
         raise DFlashError(f"draft window must be an integer >= 0 (0: the whole context), got {draft_window!r}")
+    if draft_window > MAX_WINDOW:
+        raise DFlashError(f"draft window must be at most {MAX_WINDOW:,} positions, got {draft_window:,} (0: the whole "
+                          "context)")
     if draft_window != FULL_CONTEXT and draft_window < block_size:
         raise DFlashError(f"draft window ({draft_window}) must be at least the block size ({block_size}), "
                           "or 0 for the whole context")

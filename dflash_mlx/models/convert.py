@@ -124,20 +124,27 @@ def convert(
     if out_path.exists() and not force:
         raise DFlashError(f"{out_path} already exists; pass --force to replace it")
     local = Path(source).expanduser()
+    if local.suffix.lower() == ".gguf" and not local.exists():
+        raise DFlashError(f"{source}: no such file")
     if local.is_file():
         from .from_gguf import is_gguf
 
         if not is_gguf(local):
             raise DFlashError(f"{source} is a file but not a GGUF model; convert takes a .gguf file, a drafter "
                               "(registry name, repo or folder) or a bundle")
-        if target is not None or draft_window is not None:
-            raise DFlashError(f"{'--target' if target is not None else '--draft-window'} is for a drafter; a GGUF file "
-                              "converts alone (train a drafter for it with `dflash-mlx train`)")
+        drafter_only = [name for name, given in (("--target", target is not None),
+                                                 ("--draft-window", draft_window is not None),
+                                                 ("--draft-quantize", draft_quantize != "none"),
+                                                 ("--quantize-fc", quantize_fc)) if given]
+        if drafter_only:
+            raise DFlashError(f"{drafter_only[0]} is for a drafter; a GGUF file converts alone (train a drafter for it "
+                              "with `dflash-mlx train`)")
         return convert_gguf(local, out_path, quantize, q_group_size, dtype, log)
     draft, target = _pair_sources(source, target)
     draft_path = resolve(draft, "drafter")
     target_path = resolve(target, "target")
     drafter = _check_pair(target_path, draft_path)
+    check_draft_window(draft_window, drafter.block_size)
 
     tmp = _workspace(out_path, _estimate(target_path, draft_path, quantize, dtype))
     try:
@@ -251,6 +258,7 @@ def convert_gguf(
         raise DFlashError(f"convert failed writing {out_path} ({e.strerror or e}); nothing was written") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remember_bundle(out_path)  # listed by `models` and `doctor` beside the bundles
     return out_path
 
 

@@ -81,22 +81,35 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+def _reader(path: Path) -> Any:
+    """gguf's reader of ``path``, its tensors' extents checked against the file before it views their data (a view
+    past the end fails inside numpy, in numpy's words)."""
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    class Checked(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for field in fields:
+                _, name, _, dims, dtype, offset = field.parts
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(dtype[0])]
+                if start_offs + int(offset[0]) + int(np.prod(dims)) * size // block > len(self.data):
+                    raise DFlashError(f"{path} is truncated: tensor {bytes(name).decode(errors='replace')} ends past "
+                                      "the end of the file")
+            super()._build_tensors(start_offs, fields)
+
+    return Checked(str(path))
+
+
 class GGUF:
     """An open GGUF file: its metadata and tensors, checked whole before anything is converted."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(str(path))
+            self.reader = _reader(path)
         except (ValueError, OSError, IndexError, KeyError, TypeError) as e:  # the reader's ways of saying "broken"
             raise DFlashError(f"{path} is not a readable GGUF file (truncated or corrupt: "
                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-        size = path.stat().st_size
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise DFlashError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
         self.arch_name = str(self.get("general.architecture", ""))
         if self.arch_name not in ARCHS:
             raise DFlashError(f"{path}: GGUF architecture {self.arch_name!r} is not supported "

@@ -19,7 +19,7 @@ from .dflash2 import DFlash2Args, DFlash2Drafter
 from .drafter import Drafter, DrafterArgs, NoDrafter
 from .laguna_dflash import LagunaArgs, LagunaDrafter
 from .muse_assistant import MuseAssistant, MuseAssistantArgs
-from .registry import check_bundle, is_bundle, read_manifest
+from .registry import check_bundle, gguf_hint, is_bundle, read_manifest
 from .registry import resolve as registry_resolve
 from .target import Target, check_model_type, is_tested
 
@@ -43,7 +43,7 @@ def resolve(name: str, what: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise DFlashError(f"{what} {name} is a file; expected a model folder")
+            raise DFlashError(f"{what} {name} is a file; expected a model folder{gguf_hint(path)}")
         return path
     if not _REPO_ID.match(name):
         raise DFlashError(f"{what} {name}: no such folder")
@@ -223,6 +223,7 @@ def check_target_folder(path: Path, ranks: int = 1) -> None:
         distributed.check_shardable(config, ranks)
 
 
+LONG_ENOUGH = 2**62  # a tokenizer's model_max_length that no prompt reaches
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken", "tiktoken.model")
 
 
@@ -269,8 +270,14 @@ def load_target(
     extra = {"chat_template": chat_template} if chat_template is not None else None
     try:
         if group is None:
-            return mlx_lm_load(str(path), tokenizer_config=extra, adapter_path=None if adapter is None else str(adapter))
-        return sharded_load(str(path), tensor_group=group, tokenizer_config=extra)
+            model, tokenizer = mlx_lm_load(str(path), tokenizer_config=extra,
+                                           adapter_path=None if adapter is None else str(adapter))
+        else:
+            model, tokenizer = sharded_load(str(path), tensor_group=group, tokenizer_config=extra)
+        # Transformers warns of a prompt longer than its model_max_length as it encodes it; dflash-mlx says it then,
+        # in its own line, against the model's positions (``check_context``).
+        tokenizer._tokenizer.model_max_length = LONG_ENOUGH
+        return model, tokenizer
     except DFlashError:
         raise
     except Exception as e:  # noqa: BLE001 mlx-lm reports bad folders with many exception types, some over several lines

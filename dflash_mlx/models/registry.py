@@ -65,6 +65,13 @@ def suggestions(name: str) -> list[str]:
     return [lowered[m] for m in difflib.get_close_matches(name.lower(), list(lowered), n=3, cutoff=0.5)]
 
 
+def gguf_hint(path: Path) -> str:
+    """What to add where a GGUF file is given for a model folder."""
+    if path.suffix.lower() != ".gguf":
+        return ""
+    return f" (a GGUF file is converted first: dflash-mlx convert {path} -o FOLDER)"
+
+
 def is_bundle(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
@@ -99,7 +106,8 @@ def _bundle_list() -> Path:
 
 
 def remember_bundle(path: Path) -> None:
-    """Note where ``convert`` wrote a bundle, so that ``models`` and ``doctor`` find it from anywhere.
+    """Note where ``convert`` wrote a bundle (or a model folder from a GGUF file), so that ``models`` and
+    ``doctor`` find it from anywhere.
 
     A failure to note it (read-only home, a corrupt list) costs only that: the bundle is written.
     """
@@ -126,18 +134,24 @@ def known_bundles() -> list[Path]:
     return sorted({p.resolve() for p in [*_remembered(), *here] if is_bundle(p)})
 
 
+def converted_models() -> list[Path]:
+    """Model folders ``convert`` wrote from GGUF files that still exist (a target alone, or one to train for)."""
+    return sorted({p for p in _remembered() if not is_bundle(p) and (p / "config.json").is_file()})
+
+
 def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str], Optional[Pair]]:
     """(drafter source, target source, registry pair) for what the user typed.
 
-    A bundle folder needs nothing else; a drafter folder or an unknown repo needs
-    ``target``; a registry name brings its published target unless ``target``
-    overrides it (e.g. an mlx-community 4-bit conversion).
+    A bundle folder needs nothing else; a drafter folder or a drafter repo not in the
+    registry needs ``target`` (a repo without it may be a model alone: loading says which);
+    a registry name brings its published target unless ``target`` overrides it (e.g. an
+    mlx-community 4-bit conversion).
     """
     path = Path(model).expanduser()
     if path.is_dir():
         return model, target, None
     if path.exists():
-        raise DFlashError(f"{model} is a file; expected a model folder, a bundle or a registry name")
+        raise DFlashError(f"{model} is a file; expected a model folder, a bundle or a registry name{gguf_hint(path)}")
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
         raise DFlashError(f"{model}: no such folder")
     pair = find(model)
@@ -148,9 +162,7 @@ def resolve(model: str, target: Optional[str] = None) -> tuple[str, Optional[str
         near = f"; did you mean {' or '.join(hint)}?" if hint else ""
         if "/" not in model or path.parent.is_dir():  # "qwen-drafter" or "models/qwen" with ./models: a folder
             raise DFlashError(f"{model}: no such folder or registry name{near} (dflash-mlx models lists the names)")
-        raise DFlashError(
-            f"{model} is not in the registry, so its target is unknown: add --target TARGET{near}"
-        )
+        return model, None, None  # a repo: a model alone, or a drafter whose config then asks for --target
     if not pair.supported and target is None:
         check_model_type(pair.model_type)
     return pair.drafter, target or pair.target, pair

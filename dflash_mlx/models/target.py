@@ -20,7 +20,6 @@ Granite hybrids) a ``ReplayCache``: saved before a verify, restored after it, th
 from __future__ import annotations
 
 import importlib.util
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -540,11 +539,3 @@ class Target:
         logits = self.head(h)
         group = getattr(self.lm, "sharding_group", None)  # sharded: this rank's slice of the vocabulary
         return logits if group is None else gather_last_axis(logits, group)
-
-
-def config_model_type(path: Path) -> Optional[str]:
-    """A model folder's ``model_type`` (None if it does not say)."""
-    try:
-        return json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None

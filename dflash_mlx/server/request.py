@@ -294,15 +294,19 @@ def too_long(prompt_tokens: int, limit: int) -> APIError:
                          f"{limit} positions, the reply at least one)", "messages", "context_length_exceeded")
 
 
+MAX_REPLY = 2**31 - 1  # the most tokens a request may ask for: more than any context holds
+
+
 def budget(target: Any, ids: list[int], requested: Any, defaults: Defaults, param: str) -> int:
     """The token budget: the request's, or the server's default, clamped to the positions the prompt leaves.
 
     Agents ask for more than a local model holds (Claude Code 128,000, Qwen Code 32,000):
-    the reply stops where the context ends instead of being refused up front.
+    the reply stops where the context ends instead of being refused up front. A number no
+    context holds (beyond 2^31 - 1 tokens) is refused.
     """
     if target.max_positions is not None and len(ids) >= target.max_positions:
         raise too_long(len(ids), target.max_positions)
-    wanted = number({param: requested}, param, defaults.max_tokens, int, 1, 2**63)
+    wanted = number({param: requested}, param, defaults.max_tokens, int, 1, MAX_REPLY)
     return check_context(target.max_positions, len(ids), wanted)  # the library's one rule: stop where the context ends
 
 
