@@ -436,7 +436,8 @@ def test_unknown_name_or_repo():
     line = _fails(["Unknown-Model-XYZ"])
     assert "no such folder or registry name" in line
     line = _fails(["someone/Unknown-Model-XYZ"])
-    assert "not in the registry" in line and "--target" in line
+    assert "cannot download model someone/Unknown-Model-XYZ" in line and "--target" not in line
+    assert "--target TARGET" in _fails(["someone/Unknown-Model-DFlash"])
 
 
 def test_target_without_chat_template_is_refused_in_one_line(models_dir, tmp_path):

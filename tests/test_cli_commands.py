@@ -69,8 +69,9 @@ def test_registry_matches_the_published_repos():
 
 
 def test_unknown_repo_asks_for_its_target():
+    """Offline, a repo not in the registry may be a model alone or a drafter: the line covers both."""
     result = _run("generate", "z-lab/Qwen3-9B-DFlash", "-p", "hi")
-    _one_error_line(result, "not in the registry", "--target TARGET")
+    _one_error_line(result, "cannot download model z-lab/Qwen3-9B-DFlash", "not in the registry", "--target TARGET")
     assert "Pass" not in result.stderr
 
 

@@ -71,8 +71,10 @@ def resolve(name: str, what: str) -> Path:
             reason = "offline, or the Hugging Face Hub is unreachable"
         if path.parent.is_dir():  # "models/qwen3" with ./models present: most likely a mistyped folder
             raise DFlashError(f"{what} {name}: no such folder (nor could it be downloaded as a repo: {reason})") from None
+        named_as_drafter = what == "model" and re.search(r"dflash|draft|assistant", name, re.IGNORECASE)
+        drafter = "; a drafter not in the registry also needs --target TARGET" if named_as_drafter else ""
         raise DownloadError(
-            f"cannot download {what} {name} ({reason}); pass a local folder or a converted bundle instead"
+            f"cannot download {what} {name} ({reason}); pass a local folder or a converted bundle instead{drafter}"
         ) from None
 
 
