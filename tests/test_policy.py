@@ -359,6 +359,30 @@ def test_a_depth_seen_first_prices_itself_not_the_plain_step():
     assert costs.copying.mean(9) == pytest.approx(2.0)
 
 
+def test_one_stalled_cycle_moves_no_prediction_more_than_fourfold():
+    """A cycle timed across a stall (the caller busy, the machine swapping: here 1000x) counts as at most four
+    times its prediction: every depth's price stays within fourfold, and the next cycles bring it back."""
+    costs = _quiet_costs()
+    before = [costs.predict(k) for k in range(16)]
+    costs.update(15, 1000 * costs.predict(15))
+    after = [costs.predict(k) for k in range(16)]
+    assert max(a / b for a, b in zip(after, before)) <= 4, after
+    for _ in range(8):
+        costs.update(15, before[15])
+    assert costs.predict(15) == pytest.approx(before[15], rel=0.1)
+
+
+def test_cycles_timed_before_any_plain_step_are_priced_against_the_first():
+    """The warm-up drafts a full block before its plain step: that cycle waits, and counts once a plain step
+    says what its seconds are worth."""
+    costs = CycleCosts(15)
+    costs.update(15, 0.004)
+    costs.update(1, 0.0024)
+    assert not costs.ready
+    costs.update(0, 0.002)
+    assert costs.ready and costs.drafting.mean(15) == pytest.approx(1.0) and costs.drafting.mean(1) == pytest.approx(0.2)
+
+
 def test_copies_cost_their_verify_until_measured():
     """Before any copy cycle a copy costs a plain step and its verified tokens at the drafting cycles' rate
     (nothing fixed: copies are tried); one depth measured moves that line through it; two give the copies'
@@ -379,8 +403,13 @@ def test_copies_cost_their_verify_until_measured():
 def _copies_win_drafting_does_not() -> AdaptiveDepth:
     """A policy whose estimates say: the drafter's drafts are never accepted, copies always are."""
     policy = AdaptiveDepth(15)
-    policy.seconds = [0.010] + [0.015 + 0.001 * k for k in range(1, 16)]
-    policy.copy_seconds = [0.010] + [0.011 + 0.001 * k for k in range(1, 16)]
+    for _ in range(20):  # cycles that cost plain 10 ms, drafting 5 ms + 1 ms a token, copying 1 ms + 1 ms a token
+        for k in (0, 1, 15):
+            policy.costs.update(k, 0.010 + (0.005 + 0.001 * k if k else 0))
+        for k in (4, 15):
+            policy.costs.update(k, 0.011 + 0.001 * k, copy=True)
+    policy._refresh()
+    assert not policy.warming_up and np.allclose(policy.seconds, [0.010] + [0.015 + 0.001 * k for k in range(1, 16)])
     for _ in range(50):
         policy.by_repeat[0].update(15, 0)
         policy.copy_by_repeat[0].update(15, 15)

@@ -191,27 +191,10 @@ class CycleCosts:
     cycle, the plain step of a small model included, so it is arithmetic on floats
     rather than array calls.
 
-    Relative costs hold only while ``plain`` is what a plain step costs now, and a plain
-    step may not run for hundreds of cycles (a loop copied whole) while the machine's
-    load comes and goes. So a cycle of a depth seen ``TRACK_AFTER`` times or more first
-    says what a plain step costs now (its seconds over its depth's own mean overhead)
-    and moves ``plain`` a fraction ``TRACK`` of the way; its depth's mean takes what is
-    left. A change of load thus shows in ``plain``, which prices every depth at once,
-    and a spike (capped at four times its prediction) is halved by each cycle after it.
-    A depth seen fewer times teaches only its own mean, still a guess (priced against a
-    plain step timed in a spike, it can fall below zero).
-
-    A plain step moves ``plain`` at least ``TRACK / 2`` of the way: where the load slows
-    a verify more than a plain step (beside busy loops, a 16-row product waits for a
-    descheduled BLAS thread), tracked cycles overstate the plain step, and the plain
-    steps between them must be heard as fast. Half, because a plain step started before
-    the previous one was read is timed from that read, so such steps alternate short
-    and long.
-
-    Without both, beside two CPU busy loops, a plain step timed in a quiet moment stood
-    while copies ran at three to five times its cost; short copies and plain steps won,
-    and the tests' looping pair decoded its loop at tau 5.3-11.1 (under 10 in 10 runs
-    of 11) against 11.6 quiet; with them 10.9-11.6 (docs/benchmarks.md).
+    ``update`` learns from each cycle in four steps, each keeping one invariant that a
+    test in tests/test_policy.py breaks without it (``_bounded``, ``_floor``,
+    ``_plain_step``, ``_overhead``); their docstrings give the measurements behind them.
+    Cycles timed before any plain step wait for one (``_early``).
 
     A copy cycle runs no drafter: its overhead is a line of its own, measured from
     the copy cycles alone. Until they have measured two depths, it takes the drafting
@@ -240,31 +223,69 @@ class CycleCosts:
         self.drafting, self.copying = Line(self.decay), Line(self.decay)
 
     def update(self, k: int, seconds: float, copy: bool = False) -> None:
-        seconds = max(seconds, MIN_SECONDS)  # a clock that did not move: the estimates divide by a plain step
-        if self.ready:  # a stall (the caller busy, the machine swapping) is not the model's cost
-            seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
-        if k and self.plain is not None and seconds < self.plain:
-            # A cycle that verifies k drafts costs at least a plain step: one quicker than the plain estimate shows
-            # that estimate was timed during a spike of load. Left alone, it would price every depth as one plain
-            # step, and plain steps would never run again to correct it (replayed under a recorded load: auto ran
-            # its drafter's full block wherever no copy was offered, 0.66 of copying alone).
-            self.plain = seconds
+        """Learn from a cycle that drafted (or copied) ``k`` tokens in ``seconds``."""
+        seconds = self._bounded(k, seconds, copy)
+        self._floor(k, seconds)
         if not copy:
             self.depths_seen.add(k)
         if k == 0:
-            self._plain_weight = self.decay * self._plain_weight + 1
-            gain = max(1 / self._plain_weight, TRACK / 2)  # (see the class docstring)
-            self.plain = seconds if self.plain is None else self.plain + gain * (seconds - self.plain)
-            early, self._early = self._early, []
-            for depth, took, copied in early:
-                (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
+            self._plain_step(seconds)
         elif self.plain is None:
             self._early.append((k, seconds, copy))
         else:
-            line = self.copying if copy else self.drafting
-            if line.weight(k) >= TRACK_AFTER:  # what a plain step costs now, by this cycle
-                self.plain += TRACK * (seconds / (1 + max(line.mean(k), 0.0)) - self.plain)
-            line.add(k, seconds / self.plain - 1)
+            self._overhead(self.copying if copy else self.drafting, k, seconds)
+
+    def _bounded(self, k: int, seconds: float, copy: bool) -> float:
+        """Invariant: one cycle moves no prediction more than fourfold, and none reaches zero.
+
+        A clock that did not move counts ``MIN_SECONDS`` (the estimates divide by a plain
+        step); a stall (the caller busy, the machine swapping), at most four times its
+        prediction, so a spike is halved by each cycle after it."""
+        seconds = max(seconds, MIN_SECONDS)
+        if self.ready:
+            seconds = min(seconds, 4 * (self.predict_copy(k) if copy else self.predict(k)))
+        return seconds
+
+    def _floor(self, k: int, seconds: float) -> None:
+        """Invariant: the plain step costs no more than the last cycle that verified drafts.
+
+        Such a cycle quicker than the plain estimate shows that estimate was timed during
+        a spike of load. Left alone, it would price every depth as one plain step, and plain
+        steps would never run again to correct it (replayed under a recorded load: auto ran
+        its drafter's full block wherever no copy was offered, 0.66 of copying alone)."""
+        if k and self.plain is not None and seconds < self.plain:
+            self.plain = seconds
+
+    def _plain_step(self, seconds: float) -> None:
+        """Invariant: each plain step moves ``plain`` at least ``TRACK / 2`` of the way to its time.
+
+        Where the load slows a verify more than a plain step (beside busy loops, a 16-row
+        product waits for a descheduled BLAS thread), tracked cycles (``_overhead``)
+        overstate the plain step, and the plain steps between them must be heard as fast.
+        Half, because a plain step started before the previous one was read is timed from
+        that read, so such steps alternate short and long. The cycles that waited for a
+        first plain step are priced against it."""
+        self._plain_weight = self.decay * self._plain_weight + 1
+        gain = max(1 / self._plain_weight, TRACK / 2)
+        self.plain = seconds if self.plain is None else self.plain + gain * (seconds - self.plain)
+        early, self._early = self._early, []
+        for depth, took, copied in early:
+            (self.copying if copied else self.drafting).add(depth, took / self.plain - 1)
+
+    def _overhead(self, line: Line, k: int, seconds: float) -> None:
+        """Invariant: a change of load shows in ``plain`` without a plain step, once the cycle's depth is known.
+
+        A plain step may not run for hundreds of cycles (a loop copied whole) while the
+        load comes and goes, and relative costs hold only while ``plain`` is what a plain
+        step costs now. So a cycle of a depth seen ``TRACK_AFTER`` times or more first says
+        what a plain step costs now (its seconds over its depth's mean overhead) and moves
+        ``plain`` ``TRACK`` of the way; its depth's mean takes what is left. A depth seen
+        fewer times teaches only its own mean, still a guess. (Without this and
+        ``_plain_step``, beside two CPU busy loops, the tests' looping pair decoded its loop
+        at tau 5.3-11.1 against 11.6 quiet; with them 10.9-11.6: docs/benchmarks.md.)"""
+        if line.weight(k) >= TRACK_AFTER:
+            self.plain += TRACK * (seconds / (1 + max(line.mean(k), 0.0)) - self.plain)
+        line.add(k, seconds / self.plain - 1)
 
     def merge(self, other: CycleCosts) -> None:
         """Take in another model of the same cycles: plain steps and both lines combined."""
