@@ -1,4 +1,5 @@
-"""The command line's frame: the Typer app, how errors and Ctrl-C end a command, and the options commands share.
+"""The command line's frame: the Typer app, and how errors and Ctrl-C end a command (the options commands share are
+in ``options``).
 
 Commands live in ``main`` (and ``serve``, ``train``); every one is wrapped in ``user_errors`` so that a
 ``DFlashError`` is one line on stderr and exit status 2, never a traceback.
@@ -20,7 +21,6 @@ from typer.core import TyperGroup
 
 from .. import __version__, distributed
 from ..errors import DFlashError
-from ..models.caches import KVQuantization
 
 if TYPE_CHECKING:
     from ..decode.settings import CacheLayout
@@ -137,48 +137,6 @@ def main(
         err.quiet = True
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-
-
-TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
-MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate (per reply).")
-BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle \\[default: adaptive, up to the drafter's block].")
-WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
-SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
-DRAFT_WINDOW = typer.Option(None, "--draft-window", help="The drafter attends to the last N context positions, the "
-                            "target to all; 0: all \\[default: the drafter's, see the README's long prompts].")
-TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
-TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this much mass.")
-TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0: all).")
-MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top token's probability.")
-SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
-VERIFY = typer.Option("auto", "--verify", help="Sampled verification: rejection (accepts more), match, or auto: "
-                                                "rejection, match with --seed (which keeps the adaptive depth).")
-
-
-PREFILL_STEP = typer.Option(
-    None, "--prefill-step", help="Prefill this many tokens at a time \\[default: 2048, window/16 with --window]."
-)
-TEMPLATE = typer.Option(
-    None, "--chat-template", help="A chat template, as a Jinja file or its text, for a model without one (or instead of its own)."
-)
-TEMPLATE_ARGS = typer.Option(
-    None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON: '{\"enable_thinking\": false}'."
-)
-KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's KV cache to this many bits (2-6 or 8, as mlx-lm) "
-                                                 "once it holds --quantized-kv-start tokens \\[default: off].")
-KV_GROUP = typer.Option(KVQuantization.group_size, "--kv-group-size", help="Group size of --kv-bits.")
-KV_START = typer.Option(KVQuantization.start, "--quantized-kv-start", help="With --kv-bits: tokens the cache holds before it turns "
-                                                             "quantized.")
-ADAPTER = typer.Option(None, "--adapter-path", help="An mlx-lm LoRA adapter folder (mlx_lm.lora's output) for the target.")
-STOP = typer.Option(None, "--stop", help="End the reply before this text (repeatable); it is never printed.")
-REPETITION = typer.Option(None, "--repetition-penalty", help="Divide the logits of tokens seen in the last "
-                                                               "--repetition-context-size tokens by this (as mlx-lm).")
-REPETITION_CONTEXT = typer.Option(20, "--repetition-context-size", help="Tokens --repetition-penalty looks back on.")
-PRESENCE = typer.Option(None, "--presence-penalty", help="Subtract this from the logits of tokens seen in the last 20.")
-FREQUENCY = typer.Option(None, "--frequency-penalty", help="Subtract this times each token's count in the last 20.")
-LOGIT_BIAS = typer.Option(None, "--logit-bias", help="Add to tokens' logits: a JSON object of token ids to numbers.")
-SOURCE = typer.Option("auto", "--draft-source", help="Where drafts come from: auto (each cycle, the drafter or a copy "
-                                                      "of text the context already holds), drafter, or copy only.")
 
 
 def warn(message: str) -> None:

@@ -18,39 +18,9 @@ from rich.markup import escape
 
 from .. import distributed
 from ..errors import DFlashError
-from .app import (
-    ADAPTER,
-    BLOCK_SIZE,
-    DRAFT_WINDOW,
-    FREQUENCY,
-    KV_BITS,
-    KV_GROUP,
-    KV_START,
-    LOGIT_BIAS,
-    MAX_TOKENS,
-    MIN_P,
-    PREFILL_STEP,
-    PRESENCE,
-    REPETITION,
-    REPETITION_CONTEXT,
-    SEED,
-    SINKS,
-    SOURCE,
-    STOP,
-    TARGET,
-    TEMP,
-    TEMPLATE,
-    TEMPLATE_ARGS,
-    TOP_K,
-    TOP_P,
-    VERIFY,
-    WINDOW,
-    app,
-    before_decoding,
-    err,
-    user_errors,
-)
-from .checks import check_bench, check_options, kv_quantization, logits_processors, processing, template_args
+from .app import app, before_decoding, err, user_errors
+from .checks import check_bench
+from .options import ADAPTER, MAX_TOKENS, PREFILL_STEP, TARGET, TEMP, CacheFlags, ModelFlags, SamplingFlags, shared
 from .output import generation_json, generation_stats, print_machine, print_models, print_selftest, rank_peaks
 from .pairs import bundle_manifests, load_model, pair_rows, thinking_mismatch
 from .progress import prefill_progress
@@ -63,65 +33,38 @@ if TYPE_CHECKING:
 
 @app.command()
 @user_errors
+@shared
 def generate(
     draft: str = typer.Argument(..., help="Drafter: registry name, Hub repo id, drafter folder or converted bundle."),
-    target: Optional[str] = TARGET,
+    model: ModelFlags = ...,
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt ('-' reads stdin)."),
     max_tokens: int = MAX_TOKENS,
-    block_size: Optional[int] = BLOCK_SIZE,
-    window: Optional[int] = WINDOW,
-    sinks: int = SINKS,
-    draft_window: Optional[int] = DRAFT_WINDOW,
+    cache: CacheFlags = ...,
     prefill_step_size: Optional[int] = PREFILL_STEP,
-    temperature: float = TEMP,
-    top_p: float = TOP_P,
-    top_k: int = TOP_K,
-    min_p: float = MIN_P,
-    seed: Optional[int] = SEED,
-    verify: str = VERIFY,
-    stop: Optional[list[str]] = STOP,
-    draft_source: str = SOURCE,
-    repetition_penalty: Optional[float] = REPETITION,
-    repetition_context_size: int = REPETITION_CONTEXT,
-    presence_penalty: Optional[float] = PRESENCE,
-    frequency_penalty: Optional[float] = FREQUENCY,
-    logit_bias: Optional[str] = LOGIT_BIAS,
-    chat_template: Optional[str] = TEMPLATE,
-    chat_template_args: Optional[str] = TEMPLATE_ARGS,
-    adapter_path: Optional[str] = ADAPTER,
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP,
-    quantized_kv_start: int = KV_START,
+    sampling: SamplingFlags = ...,
     raw: bool = typer.Option(False, "--no-chat-template", help="Send the prompt as raw text, without the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of text."),
 ) -> None:
     """Generate a reply to one prompt, losslessly, with DFlash speculative decoding."""
     from ..chat_template import encode_prompt, has_chat_template, render, user
     from ..decode.generate import check_context
-    from ..decode.settings import CacheLayout, DecodeSettings, RequestSettings
-    from ..decode.stops import stop_list
-    from ..sampling import Sampling
 
-    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
-    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, draft_window)
-    penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
-    template_kwargs = template_args(chat_template_args)
-    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
-    decoding = DecodeSettings(CacheLayout(window, sinks, block_size, kv, draft_window), prefill_step_size, draft_source)
-    if raw and chat_template is not None:
+    cache.check(max_tokens, prefill_step_size)
+    decoding = cache.decoding(prefill_step_size)
+    if raw and model.chat_template is not None:
         raise DFlashError("--chat-template and --no-chat-template contradict each other: pass one")
     if prompt == "-":
         prompt = sys.stdin.read()
-    _, tgt, drafter, tokenizer = load_model(draft, target, chat_template, err, adapter_path)
+    _, tgt, drafter, tokenizer = load_model(draft, model.target, model.chat_template, err, model.adapter_path)
     before_decoding(decoding.layout, tgt, drafter)
     chat = not raw and has_chat_template(tokenizer)
-    ids = render(tokenizer, user(prompt), template_kwargs=template_kwargs) if chat else encode_prompt(tokenizer, prompt)
+    ids = (render(tokenizer, user(prompt), template_kwargs=model.template_kwargs) if chat
+           else encode_prompt(tokenizer, prompt))
     if (budget := check_context(tgt.max_positions, len(ids), max_tokens)) < max_tokens:
         err.print(f"[dim]note: the prompt ({len(ids)} tokens) leaves {budget} of the model's {tgt.max_positions} "
                   "positions: the reply stops at the end of them[/]", soft_wrap=True)
-    asked = RequestSettings(max_tokens, sampling, stop_list(stop), None,
-                            tuple(logits_processors(penalties, tgt.vocab_size) or ()))
-    responses, stopped = _stream(tgt, drafter, tokenizer, ids, as_json, decoding, asked)
+    responses, stopped = _stream(tgt, drafter, tokenizer, ids, as_json, decoding,
+                                 sampling.request(max_tokens, tgt.vocab_size))
     _end_generation(responses, stopped, as_json)
 
 
@@ -262,80 +205,44 @@ def doctor(
 
 @app.command()
 @user_errors
+@shared
 def chat(
     model: Optional[str] = typer.Argument(None, help="Registry name, drafter repo/folder or bundle \\[default: fits this machine]."),
-    target: Optional[str] = TARGET,
-    window: Optional[int] = WINDOW,
-    sinks: int = SINKS,
-    draft_window: Optional[int] = DRAFT_WINDOW,
-    block_size: Optional[int] = BLOCK_SIZE,
-    temperature: float = TEMP,
-    top_p: float = TOP_P,
-    top_k: int = TOP_K,
-    min_p: float = MIN_P,
-    seed: Optional[int] = SEED,
-    verify: str = VERIFY,
-    stop: Optional[list[str]] = STOP,
-    draft_source: str = SOURCE,
-    repetition_penalty: Optional[float] = REPETITION,
-    repetition_context_size: int = REPETITION_CONTEXT,
-    presence_penalty: Optional[float] = PRESENCE,
-    frequency_penalty: Optional[float] = FREQUENCY,
-    logit_bias: Optional[str] = LOGIT_BIAS,
-    chat_template: Optional[str] = TEMPLATE,
-    chat_template_args: Optional[str] = TEMPLATE_ARGS,
-    adapter_path: Optional[str] = ADAPTER,
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP,
-    quantized_kv_start: int = KV_START,
+    pair: ModelFlags = ...,
+    cache: CacheFlags = ...,
+    sampling: SamplingFlags = ...,
     max_tokens: int = typer.Option(1024, "--max-tokens", "-m", help="Most tokens per reply."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's thinking mode."),
 ) -> None:
     """Chat interactively; each turn prefills only the new message. Pipe lines in to script it."""
     from ..decode.chat import ChatSession
-    from ..decode.settings import CacheLayout, DecodeSettings, RequestSettings
-    from ..decode.stops import stop_list
-    from ..sampling import Sampling
     from .chat import converse
 
-    sampling = Sampling(temperature, top_p, top_k, min_p, seed, verify)
-    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, draft_window=draft_window)
-    penalties = processing(repetition_penalty, repetition_context_size, presence_penalty, frequency_penalty, logit_bias)
-    template_kwargs = template_args(chat_template_args)
-    decoding = DecodeSettings(CacheLayout(window, sinks, block_size,
-                                          kv_quantization(kv_bits, kv_group_size, quantized_kv_start), draft_window),
-                              draft_source=draft_source)
-    model, tgt, drafter, tokenizer = load_model(model, target, chat_template, err, adapter_path)
+    cache.check(max_tokens)
+    decoding = cache.decoding()
+    model, tgt, drafter, tokenizer = load_model(model, pair.target, pair.chat_template, err, pair.adapter_path)
     if warning := thinking_mismatch(model, think):
         err.print(f"[yellow]warning:[/] {warning}")
     before_decoding(decoding.layout, tgt, drafter)
-    asked = RequestSettings(max_tokens, sampling, stop_list(stop), None,
-                            tuple(logits_processors(penalties, tgt.vocab_size) or ()))
-    session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, decoding=decoding, asked=asked,
-                          template_args=template_kwargs)
+    session = ChatSession(tgt, drafter, tokenizer, system=system, think=think, decoding=decoding,
+                          asked=sampling.request(max_tokens, tgt.vocab_size), template_args=pair.template_kwargs)
     converse(session, model, err)
 
 
 @app.command()
 @user_errors
+@shared
 def bench(
     model: str = typer.Argument(..., help="Registry name, drafter repo/folder or bundle."),
     target: Optional[str] = TARGET,
-    window: Optional[int] = WINDOW,
-    sinks: int = SINKS,
-    draft_window: Optional[int] = DRAFT_WINDOW,
+    cache: CacheFlags = ...,
     prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Context sweep: prompt lengths, e.g. 1024,4096,8192."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-m", help="Tokens to decode per prompt."),
     dataset: str = typer.Option("all", "--dataset", help="math, code, chat, all (built in: the three interleaved), edit (a file asked back with one change), gsm8k, math500, humaneval, mbpp, mt-bench, or FILE.jsonl."),
     num_prompts: int = typer.Option(12, "--num-prompts", help="Most prompts to run."),
-    block_size: Optional[int] = BLOCK_SIZE,
-    draft_source: str = SOURCE,
     temperature: float = TEMP,
     adapter_path: Optional[str] = ADAPTER,
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP,
-    quantized_kv_start: int = KV_START,
     repeats: int = typer.Option(1, "--repeats", help="Runs per prompt; the order of the two paths alternates."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every figure, the machine and versions here."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write speedup and tau vs context and the acceptance histogram (PNG)."),
@@ -353,22 +260,20 @@ def bench(
 
     Ctrl-C stops early and keeps (prints and writes) the prompts measured so far.
     """
-    from ..decode.settings import CacheLayout
     from ..models.loader import load
     from . import bench as cli_bench
 
-    check_options(block_size, max_tokens, window, sinks, draft_source=draft_source, draft_window=draft_window,
-                  temperature=temperature)
-    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    cache.check(max_tokens, temperature=temperature)
+    layout = cache.layout()
     lengths = check_bench(repeats, num_prompts, dataset, prompt_tokens, score, score_timeout, score_unisolated,
                           json_out, plot_out, force)
     listed = cli_bench.listed_prompts(dataset, num_prompts)
     tgt, drafter, tokenizer = load(model, target, adapter_path=adapter_path)
-    before_decoding(CacheLayout(window, sinks, block_size, kv, draft_window), tgt, drafter)
+    before_decoding(layout, tgt, drafter)
     conversations = cli_bench.bench_prompts(listed, lengths, dataset, num_prompts, tokenizer, tgt.max_positions)
-    options = dict(max_tokens=max_tokens, block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
-                   draft_window=draft_window,
-                   temperature=temperature, repeats=repeats, **(kv.keywords() if kv is not None else {}))
+    options = dict(max_tokens=max_tokens, block_size=cache.block_size, draft_source=cache.draft_source,
+                   window=cache.window, sinks=cache.sinks, draft_window=cache.draft_window, temperature=temperature,
+                   repeats=repeats, **(layout.kv.keywords() if layout.kv is not None else {}))
     records, planned, interrupted = cli_bench.measure(err, tgt, drafter, tokenizer, conversations, **options)
     if interrupted and not records:
         err.print("[yellow]interrupted[/] before the first prompt was measured; nothing written")

@@ -8,33 +8,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from .. import distributed
-from .app import (
-    ADAPTER,
-    BLOCK_SIZE,
-    DRAFT_WINDOW,
-    KV_BITS,
-    KV_GROUP,
-    KV_START,
-    PREFILL_STEP,
-    SINKS,
-    SOURCE,
-    TARGET,
-    TEMPLATE,
-    WINDOW,
-    before_decoding,
-    err,
-    user_errors,
-    warn,
-)
-from .checks import (
-    check_http_stack,
-    check_options,
-    check_serving,
-    kv_quantization,
-    origins,
-    prompt_caches,
-    template_args,
-)
+from .app import before_decoding, err, user_errors, warn
+from .checks import check_http_stack, check_serving, origins, prompt_caches, template_args
+from .options import ADAPTER, PREFILL_STEP, TARGET, TEMPLATE, CacheFlags, shared
 from .output import serving_line
 from .pairs import load_model
 
@@ -45,26 +21,20 @@ if TYPE_CHECKING:
 
 
 @user_errors
+@shared
 def serve(
     model: Optional[str] = typer.Argument(None, help="Registry name, drafter repo/folder or bundle \\[default: fits this machine]."),
     target: Optional[str] = TARGET,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require this key (Authorization: Bearer KEY, or x-api-key: KEY)."),
-    block_size: Optional[int] = BLOCK_SIZE,
-    draft_source: str = SOURCE,
-    window: Optional[int] = WINDOW,
-    sinks: int = SINKS,
-    draft_window: Optional[int] = DRAFT_WINDOW,
+    cache: CacheFlags = ...,
     prefill_step_size: Optional[int] = PREFILL_STEP,
     chat_template: Optional[str] = TEMPLATE,
     chat_template_args: Optional[str] = typer.Option(
         None, "--chat-template-args", help="Keyword arguments for the chat template, as JSON, that a request's "
         "chat_template_kwargs add to or override: '{\"enable_thinking\": false}'."),
     adapter_path: Optional[str] = ADAPTER,
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP,
-    quantized_kv_start: int = KV_START,
     temperature: float = typer.Option(0.0, "--temp", help="Temperature of requests that set none (0: greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="top_p of requests that set none."),
     top_k: int = typer.Option(0, "--top-k", help="top_k of requests that set none."),
@@ -86,22 +56,17 @@ def serve(
         "\\[default: rows of 8k tokens in half the memory, at most 8]."),
 ) -> None:
     """Serve the pair over OpenAI's, Anthropic's and the Responses API (Claude Code, Codex, editors; tools, reasoning)."""
-    from ..decode.settings import CacheLayout, DecodeSettings
     from ..server.request import Defaults
 
     check_http_stack()
     from ..server import serve as run
 
-    check_options(block_size, max_tokens, window, sinks, prefill_step_size, draft_source, draft_window,
-                  temperature=temperature,
-                  top_p=top_p, top_k=top_k, min_p=min_p)
+    cache.check(max_tokens, prefill_step_size, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     check_serving(port, keepalive, log_level, max_batch, api_key)
-    layout = CacheLayout(window, sinks, block_size, kv_quantization(kv_bits, kv_group_size, quantized_kv_start),
-                         draft_window)
+    decoding = cache.decoding(prefill_step_size)
     limits = prompt_caches(cache_entries, cache_bytes, cache_disk_bytes, cache_dir)
     defaults = Defaults(temperature, top_p, top_k, min_p, max_tokens, template_args(chat_template_args))
-    model, engine = _engine(model, target, chat_template, adapter_path, DecodeSettings(layout, prefill_step_size,
-                            draft_source), defaults, limits, max_batch)
+    model, engine = _engine(model, target, chat_template, adapter_path, decoding, defaults, limits, max_batch)
     if not distributed.is_main():  # rank 0 listens and hands each request over
         engine.follow()
         return
