@@ -54,6 +54,8 @@ class Active:
     started: float = field(default_factory=time.perf_counter)
     seen: list[GenerationResponse] = field(default_factory=list)
     ttft: float = 0.0
+    client_left: bool = False  # as of this turn (with a sharded target, rank 0's word)
+    leaving: bool = False  # ended while in a cycle in flight: it leaves when that cycle is read
 
     def answer(self, cycle: Emitted) -> bool:
         """Report one cycle's piece; whether the request is finished."""

@@ -63,8 +63,6 @@ class Runner:
         self.scheduler = Scheduler(batch)
         self.group = engine.target.group
         self.active: list[Active] = []
-        self.leaving: list[tuple[Active, bool]] = []  # rows in flight that end (cancelled or not) once it is read
-        self.left: set[int] = set()  # id() of the requests whose client left, as of this turn (rank 0's word)
 
     def run(self, serving: Callable[[], bool]) -> None:
         """Answer queued requests while ``serving()`` holds; with a sharded target, tell the other ranks to stop."""
@@ -94,69 +92,83 @@ class Runner:
                 "prefilling": sum(a.steps is not None for a in self.active)}
 
     def _turn(self, following: bool = False) -> bool:
-        """One turn (see the module); False when a follower is told to stop."""
+        """One turn (see the module); False when a follower is told to stop. Cycles read are answered only after
+        the next cycle has started (``_end_known`` hands them on to ``_answer``), rows join only between cycles."""
         self._agree_who_left()
         self.scheduler.advance(follow=self._may_follow())
-        read = self._read()
-        for a, cycle in [(a, c) for a, c in read if c.reason is not None]:  # EOS or budget: known before the start
-            a.answer(cycle)
-            self._end(a, cancelled=False)
-        read = [(a, c) for a, c in read if c.reason is None]
-        for a in [a for a in self.active if id(a) in self.left and all(a is not b for b, _ in read)]:
-            self._end(a, cancelled=True)
+        unanswered = self._end_known(self._read())
         if self.scheduler.idle:  # rows join only between cycles
             if not self._admit(following):
                 return False
             self._prefill_one()
-            if self.scheduler.rows:
-                self.engine.metrics.batch.set(len(self.scheduler.rows))
-                try:
-                    self.scheduler.advance(follow=False)
-                except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
-                    self._fail_decoding(e)
-        for a, cycle in read:
-            if a.answer(cycle) or id(a) in self.left:  # a stop string, or the client left
-                self._end(a, cancelled=not a.finished)
+            self._start()
+        self._answer(unanswered)
         return True
 
     def _agree_who_left(self) -> None:
         """Whose client left, once per turn: with a sharded target rank 0's word, so that every rank stops it at
         the same cycle."""
-        gone = [id(a) for a in self.active if a.job.cancelled.is_set()]
+        flags = [float(a.job.cancelled.is_set()) for a in self.active]
         if self.group is not None and self.active:
-            flags = from_main([float(a.job.cancelled.is_set()) for a in self.active], self.group)
-            gone = [id(a) for a, flag in zip(self.active, flags) if flag > 0]
-        self.left = set(gone)
+            flags = from_main(flags, self.group)
+        for a, flag in zip(self.active, flags):
+            a.client_left = flag > 0
 
     def _may_follow(self) -> bool:
         """Whether the next cycle may start before this one is read: nobody waits to join, prefills or leaves."""
         room = len(self.active) < self.engine.max_batch
-        if (room and not self.engine.jobs.empty()) or self.leaving or self.left:
+        if (room and not self.engine.jobs.empty()) or any(a.leaving or a.client_left for a in self.active):
             return False
         return all(a.steps is None for a in self.active)
 
     def _read(self) -> list[tuple[Active, Emitted]]:
-        """The cycle in flight, read and committed (rows that ended meanwhile: undone, and gone)."""
-        leaving, self.leaving = self.leaving, []
+        """The cycle in flight, read and committed; the rows that ended while it was in flight (their part undone)
+        leave with it."""
         try:
             read = self.scheduler.read()
         except Exception as e:  # noqa: BLE001 (every decoding row fails, the leaving ones with them)
             self._fail_decoding(e)
             return []
-        for a, cancelled in leaving:
-            self._finish(a, cancelled=cancelled)
+        for a in [a for a in self.active if a.leaving]:
+            self._finish(a)
         by_row = {id(a.request.row): a for a in self.active}
         return [(by_row[id(row)], e) for row, e in read]
 
-    def _end(self, a: Active, cancelled: bool) -> None:
-        """A decoding row ends: at once, or once the cycle it is in flight in is read."""
+    def _end_known(self, read: list[tuple[Active, Emitted]]) -> list[tuple[Active, Emitted]]:
+        """Before the next cycle starts, end the rows whose end is known without detokenizing: a cycle that ended
+        at EOS or the budget (answered now), a client that left; the other cycles read, to answer after it starts."""
+        for a, cycle in read:
+            if cycle.reason is not None:
+                a.answer(cycle)
+                self._end(a)
+        for a in [a for a in self.active if a.client_left and all(a is not b for b, _ in read)]:
+            self._end(a)
+        return [(a, c) for a, c in read if c.reason is None]
+
+    def _start(self) -> None:
+        """The next cycle, for the decoding rows (the row whose prefill just ended among them)."""
+        if not self.scheduler.rows:
+            return
+        self.engine.metrics.batch.set(len(self.scheduler.rows))
+        try:
+            self.scheduler.advance(follow=False)
+        except Exception as e:  # noqa: BLE001 (a cycle is every row's: each fails, the server goes on)
+            self._fail_decoding(e)
+
+    def _answer(self, unanswered: list[tuple[Active, Emitted]]) -> None:
+        """The cycles read, answered while the device computes the next: a stop string or a client gone ends one."""
+        for a, cycle in unanswered:
+            if a.answer(cycle) or a.client_left:
+                self._end(a)
+
+    def _end(self, a: Active) -> None:
+        """Where every decoding row ends: it leaves at once, or (in a cycle in flight) when that cycle is read."""
         if any(a.request.row is r for r in self.scheduler.rows) and not self.scheduler.drop(a.request.row):
-            self.leaving.append((a, cancelled))
+            a.leaving = True
         else:
-            self._finish(a, cancelled=cancelled)
+            self._finish(a)
 
     def _fail_decoding(self, e: Exception) -> None:
-        self.leaving = []
         for a in [a for a in self.active if a.steps is None]:
             a.job.report("error", failure(e))
             self._finish(a, reported=True, failed=True)
@@ -240,7 +252,7 @@ class Runner:
             return
         self._finish(a)
 
-    def _finish(self, a: Active, cancelled: bool = False, reported: bool = False, failed: bool = False) -> None:
+    def _finish(self, a: Active, reported: bool = False, failed: bool = False) -> None:
         """The request leaves: its caches (what it committed) go to the prompt cache, its client gets the end. The
         caches of a request that failed are kept by nobody, nor the entry they came from."""
         row = a.request.row
@@ -261,7 +273,7 @@ class Runner:
             mx.clear_cache()
         if reported:
             return
-        if cancelled or not a.finished:
+        if not a.finished:  # its client left
             self.engine.cancelled += 1
             a.job.report("done", None)
             return
