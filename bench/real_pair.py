@@ -85,7 +85,7 @@ def build(args: argparse.Namespace) -> Path:
               f"({result.evaluated} prompts, {result.looping} looping), "
               f"{(time.perf_counter() - tic) / 60:.1f} min end to end", flush=True)
     if not (bundle / "dflash.json").is_file():
-        # Its drafter window: 512 gave the best acceptance at every depth from 1k to 8k (bench/depth.py; README).
+        # Its drafter window: 512 gave the best acceptance at every depth from 1k to 8k (bench/depth.py; docs/long-contexts.md).
         convert(str(draft), str(bundle), target=str(target), force=bundle.exists(), draft_window=DRAFT_WINDOW)
     print(f"\nthe pair as one bundle: {bundle}\n  chat with it:  make chat MODEL={bundle}")
     return bundle

@@ -250,7 +250,7 @@ def bench(
     score: bool = typer.Option(False, "--score", help="HumanEval/MBPP: run each completion's tests and report pass@1, "
                                "plain and dflash. This EXECUTES MODEL-WRITTEN CODE on this machine, each program in the "
                                "operating system's sandbox (bubblewrap or unshare, sandbox-exec): no network, no "
-                               "writes outside an empty folder, a timeout; see the README for what remains)."),
+                               "writes outside an empty folder, a timeout; docs/commands.md says what remains)."),
     score_timeout: float = typer.Option(10.0, "--score-timeout", help="Seconds each program may run under --score."),
     score_unisolated: bool = typer.Option(False, "--score-unisolated", help="Where no sandbox works (bubblewrap or "
                                           "unshare on Linux, sandbox-exec on macOS), run --score's programs anyway, "

@@ -19,8 +19,8 @@ program comes on stdin, the verdict goes out on a pipe of its own, with a per-ru
 reads from another pipe only after the program has returned. Stdout and the exit status are
 not trusted, so a program that prints ``passed`` and exits 0, or does so from an ``atexit``
 hook or a ``__del__``, fails. A program written against this harness can still forge a pass
-(the nonce's pipe is in its own process) or return an object that equals anything; see the
-README.
+(the nonce's pipe is in its own process) or return an object that equals anything; see
+docs/commands.md (``bench``, ``--score``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 Cache = Union[KVCache, WindowKVCache]
 
 # How many context positions a drafter attends to unless its bundle or the caller says otherwise (0: all of them).
-# The published drafters are trained on short contexts; see the README's "long prompts" for the measurement.
+# The published drafters are trained on short contexts; see docs/long-contexts.md, "Long prompts", for the measurement.
 DRAFT_WINDOW = 0
 GEMMA4_MASK_TOKEN = 4
 
