@@ -29,7 +29,7 @@ BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block o
 WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
 SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
 DRAFT_WINDOW = typer.Option(None, "--draft-window", help="The drafter attends to the last N context positions, the "
-                            "target to all; 0: all \\[default: the drafter's, see docs/long-contexts.md].")
+                            "target to all; 0: all \\[default: the bundle's, else all].")
 TEMP = typer.Option(0.0, "--temp", help="Sampling temperature; 0 decodes greedily.")
 TOP_P = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this much mass.")
 TOP_K = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0: all).")
