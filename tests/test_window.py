@@ -105,3 +105,24 @@ def test_cli_window(models_dir, pairs):
     assert json.loads(windowed.stdout)["tokens"] == ref
     bad = CliRunner().invoke(app, args + ["--window", "2"])
     assert bad.exit_code == 2 and bad.stderr.startswith("error: window (2) must be at least the block size (4)")
+
+
+@pytest.mark.parametrize("case", ["drafts never pay", "drafts pay again"])
+def test_the_default_falls_back_to_plain_at_depth_and_stays_lossless(pairs, looping, case):
+    """At depth (a prompt several windows long, the window on), the default decodes plainly where drafts do not
+    pay and drafts again where they start paying in the same reply (the looping target's loop, which the constant
+    drafter drafts); either way the output is the windowed target's own greedy output."""
+    if case == "drafts never pay":
+        target, drafter, tokenizer = pairs["qwen3"]
+    else:
+        target, drafter, tokenizer = looping[:3]
+    ids = tokenizer.encode(" ".join(PROMPTS * 12))
+    assert len(ids) > 4 * 64
+    ref = _windowed_reference(target, ids, 64, 4, max_tokens=160)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=160, eos_token_ids=[], window=64, sinks=4,
+                   prefill_step_size=24)
+    assert out.tokens == ref
+    plain = [i for i, d in enumerate(out.drafted) if d == 0]
+    assert len(plain) >= len(out.drafted) // 2 if case == "drafts never pay" else plain, out.drafted
+    if case == "drafts pay again":  # a whole run of accepted drafts after the policy had fallen back to plain
+        assert any(a >= 4 for a in out.acceptance[plain[0]:]), (out.drafted, out.acceptance)
