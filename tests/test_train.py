@@ -334,7 +334,8 @@ def test_bad_input_is_one_clear_error(case, message, workdir, trained):
 def test_train_command(tmp_path, models_dir):
     """`dflash-mlx train` end to end: a loadable drafter, lossless generation, one-line errors."""
     out = tmp_path / "drafter"
-    args = ["train", str(models_dir / "qwen3"), "-o", str(out), "--steps", "6", "--block-size", "8", "--batch-size", "2"]
+    args = ["train", str(models_dir / "qwen3"), "-o", str(out), "--prompt-count", "16", "--steps", "6", "--block-size",
+            "8", "--batch-size", "2"]
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "held-out tau" in result.stdout and (out / "checkpoint").is_dir()
@@ -358,7 +359,8 @@ def test_a_target_that_only_loops_is_said_to(tmp_path):
     fixtures.write_target(tmp_path / "target", config, init_scale=1.0)  # small weights: greedy replies loop
     out = tmp_path / "drafter"
     result = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["train", str(tmp_path / "target"), "-o", str(out),
-                                                            "--steps", "2", "--block-size", "8", "--batch-size", "2"])
+                                                            "--prompt-count", "16", "--steps", "2", "--block-size", "8",
+                                                            "--batch-size", "2"])
     assert result.exit_code == 0, result.output
     assert "held-out tau" in result.stdout
     said = re.search(r"all \d+ held-out replies of the target loop|\d+ of \d+ held-out replies loop", result.stderr)
