@@ -51,11 +51,25 @@ def test_features_are_computed_once_and_equal_the_targets_own(target, tmp_path):
     assert [e["done"] for e in events if e["phase"] == "features"] == [1, 2, 3, 4]
     for i, (p, r) in enumerate(seqs):
         _, want = target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)
-        np.testing.assert_allclose(np.array(store[i]), np.array(want[0]), rtol=2e-3, atol=2e-3)  # kept in float16
+        np.testing.assert_allclose(np.array(store[i]), np.array(want[0]), rtol=8e-3, atol=8e-3)  # kept in bfloat16
     events.clear()
     again = feature_store(tmp_path, target, seqs, key, events.append)
     assert not events, "a matching store is read back, not computed again"
     np.testing.assert_array_equal(np.array(again[3]), np.array(store[3]))
+
+
+def test_features_beyond_float16s_range_are_kept(target_path, tmp_path):
+    """Gemma's hidden states pass float16's 65,504 (Gemma 3 270M's reach 300k): stored as inf, they trained a
+    drafter whose loss was nan from its first step. Here a target whose embedding is scaled 1e5 times."""
+    target = load(target_path)
+    embed = target.model.model.embed_tokens
+    embed.weight = embed.weight * 1e5
+    seqs = sequences(2)
+    store = feature_store(tmp_path, target, seqs, {"data": 1}, lambda e: None)
+    p, r = seqs[1]
+    _, want = target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)
+    assert float(mx.abs(want).max()) > 65504 and bool(mx.isfinite(store[1]).all())
+    np.testing.assert_allclose(np.array(store[1]), np.array(want[0]), rtol=8e-3, atol=8e-3 * float(mx.abs(want).max()))
 
 
 @pytest.mark.parametrize("spoil", ["other data", "other sequences", "truncated", "garbage index"])
@@ -76,7 +90,7 @@ def test_a_store_of_other_data_or_a_damaged_one_is_made_again(target, tmp_path, 
     assert len([e for e in events if e["phase"] == "features"]) == 3
     p, r = seqs[2]
     _, want = target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)
-    np.testing.assert_allclose(np.array(store[2]), np.array(want[0]), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(np.array(store[2]), np.array(want[0]), rtol=8e-3, atol=8e-3)
     assert json.loads((tmp_path / INDEX).read_text())["data"] == key
 
 
