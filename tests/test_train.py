@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -455,3 +456,14 @@ def test_trains_for_any_target(tmp_path, name):
     ids = tokenizer.encode("def parse(text):")
     out = generate(target, drafter, tokenizer, ids, max_tokens=40, block_size=8, eos_token_ids=[])
     assert out.tokens == plain_greedy(target.model, ids, 40)
+
+
+def test_a_loss_that_is_not_finite_stops_training_in_one_line(tmp_path, workdir):
+    """A step whose loss is nan or inf (here a learning rate of 1e30) stops the run with one line: the weights it
+    made are not kept, the last good step's checkpoint is (features out of range gave nan at every step of a
+    15-minute run before)."""
+    with pytest.raises(DFlashError, match=r"training diverged: the loss is (nan|inf) at step \d+ \(step \d+ is kept"):
+        train(str(workdir / "target"), str(tmp_path / "d"), prompts=str(workdir / "prompts.jsonl"), steps=20,
+              eval_prompts=2, checkpoint_every=100, progress=lambda e: None, **{**SMALL, "lr": 1e30})
+    state = json.loads((tmp_path / "d" / "checkpoint" / "state.json").read_text())
+    assert all(math.isfinite(loss) for loss in state["losses"])

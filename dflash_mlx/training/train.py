@@ -25,6 +25,7 @@ Choices the paper leaves open (initialisation and the mask token: see ``drafter_
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,6 +292,10 @@ def _start(
     return drafter, optimizer, {"step": 0, "elapsed": 0.0, "losses": [], "settings": settings, "config": config}
 
 
+class Diverged(Exception):
+    """A step whose loss is not finite: the weights it produced are not kept."""
+
+
 @dataclass
 class _Loop:
     """One call's training loop: what every step reads, the budget, and this call's throughput.
@@ -338,10 +343,12 @@ class _Loop:
         grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
         self.optimizer.update(self.drafter, grads)
         mx.eval(self.drafter.parameters(), self.optimizer.state, loss)
+        if not math.isfinite(value := loss.item()):
+            raise Diverged(f"training diverged: the loss is {value} at step {self.state['step'] + 1}")
         elapsed = time.perf_counter() - tic
         self.state["step"] += 1
         self.state["elapsed"] += elapsed
-        self.state["losses"].append(loss.item())
+        self.state["losses"].append(value)
         self.tokens, self.seconds = self.tokens + batch.tokens, self.seconds + elapsed
         return rate
 
@@ -371,10 +378,14 @@ class _Loop:
                     "progress": min(1.0, self.done()), "loss": self.state["losses"][-1], "lr": rate,
                     "tokens_per_s": self.tokens / self.seconds, "elapsed": self.state["elapsed"],
                 })
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Diverged) as e:
             self.drafter.update(good[0])
             self.optimizer.state = good[1]
-            save_checkpoint(self.checkpoint, self.drafter, self.optimizer, good[2])
+            if isinstance(e, KeyboardInterrupt) or good[2]["step"]:
+                save_checkpoint(self.checkpoint, self.drafter, self.optimizer, good[2])
+            if isinstance(e, Diverged):
+                kept = f"step {good[2]['step']} is kept in {self.checkpoint}" if good[2]["step"] else "nothing was saved"
+                raise DFlashError(f"{e} ({kept}): a lower --lr, or the target's features out of range") from None
             raise
 
 
