@@ -26,11 +26,12 @@ it: its time to first token, in the long prompt's prefill chunks, batched and on
 
     python bench/serve.py [--pair DIR] [--prompts 8] [--max-tokens 128] [--tools] [--clients 1,2,4,8 [--repeats 3] [--hogs N]]
     python bench/serve.py --pair DIR --join 8192 --max-tokens 16
+    python bench/serve.py --random 256,4 --clients 1,4 --max-tokens 512   # a small, fast pair
 """
 
 from __future__ import annotations
 
-from common import CACHE, cpu_hogs, print_machine, serve_on_free_port, start_server, stop_server  # re-execs with OpenBLAS first
+from common import CACHE, build_models, cpu_hogs, print_machine, serve_on_free_port, start_server, stop_server  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -104,6 +105,9 @@ def run(url: str, prompts: list[str], max_tokens: int, clients: int) -> list[dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", type=Path, default=None, help="[default: newest bench/.cache/pair-*]")
+    parser.add_argument("--random", default=None, metavar="HIDDEN,LAYERS",
+                        help="a random pair of this shape instead, built once (256,4: a small, fast pair, whose ~1 ms "
+                        "cycles stand for a big Mac running a small model: host work per cycle decides)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tools", action="store_true", help="measure what tool and reasoning parsing cost")
@@ -115,6 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     print_machine()
     pair = args.pair or max(CACHE.glob("pair-*"), key=lambda p: p.stat().st_mtime, default=None)
+    if args.random:
+        pair = build_models(*(int(x) for x in args.random.split(",")))
     if pair is None:
         sys.exit("no trained pair: run python bench/build_pair.py first (or pass --pair)")
     sets = json.loads(resources.files("dflash_mlx").joinpath("data/prompts.json").read_text())
