@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
+from typing import Callable
 
 from conftest import PROMPTS
 from helpers import plain_greedy
@@ -54,6 +55,17 @@ def build(root: Path, name: str) -> dict:
     token = collections.Counter(plain_greedy(target.model, ids, N)).most_common(1)[0][0]
     fixtures.write_constant_drafter(root / f"{name}-constant", draft, root / f"{name}-loop", token)
     return {"random": pair, "constant": load(str(root / f"{name}-constant"), str(root / f"{name}-loop"))}
+
+
+def on_demand(root: Path) -> Callable[[str], dict]:
+    """``build`` each architecture's pair the first time a test asks for it, in ``root``."""
+    built: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in built:
+            built[name] = build(root, name)
+        return built[name]
+    return get
 
 
 def check(pairs: dict, name: str) -> None:

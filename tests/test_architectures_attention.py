@@ -4,7 +4,7 @@ MoE (``arch_matrix.check``)."""
 from __future__ import annotations
 
 import pytest
-from arch_matrix import build, check
+from arch_matrix import check, on_demand
 
 NAMES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "olmo3", "granite", "smollm3", "glm4",
          "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "cohere2", "exaone4", "ministral3", "gpt_oss",
@@ -13,13 +13,7 @@ NAMES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2", "ol
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("attention"), {}
-
-    def get(name: str) -> dict:
-        if name not in built:
-            built[name] = build(root, name)
-        return built[name]
-    return get
+    return on_demand(tmp_path_factory.mktemp("attention"))
 
 
 @pytest.mark.parametrize("name", NAMES)

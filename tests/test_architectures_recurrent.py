@@ -4,7 +4,7 @@ short convolutions, Mamba-2 mixers, DeepSeek sparse attention's indexer (``arch_
 from __future__ import annotations
 
 import pytest
-from arch_matrix import build, check
+from arch_matrix import check, on_demand
 
 NAMES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1", "mamba2", "granitemoehybrid",
          "glm_moe_dsa"]
@@ -12,13 +12,7 @@ NAMES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "nemotron_h", "falcon_h
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("recurrent"), {}
-
-    def get(name: str) -> dict:
-        if name not in built:
-            built[name] = build(root, name)
-        return built[name]
-    return get
+    return on_demand(tmp_path_factory.mktemp("recurrent"))
 
 
 @pytest.mark.parametrize("name", NAMES)
