@@ -7,8 +7,15 @@ one process, ``--rounds`` times in alternating order (``eval.bench.measure``), t
 and the worst speedup (decode tok/s over plain's) and tau. ``--weak`` names a second drafter (an earlier checkpoint
 of the same run, say) measured on the same prompts.
 
+``--replay`` looks for the cause without timing noise: each prompt's trace (``eval.traces``: what a draft of every
+depth would have had accepted at every position of the target's own reply, within the bundle's drafter window), this
+machine's cycle costs at each depth (measured once, then reused), and the default policy replayed over the traces in
+the order the timed runs take them, as one process. Per prompt: the replay against plain, the oracle's (the best
+schedule in hindsight), and the plain steps each kind of cycle lost against plain decoding of the same tokens (the
+warm-up, drafter cycles the costs chose, probes, copies the costs chose, copy retries).
+
     python bench/long_prompts.py [--pair BUNDLE] [--weak DRAFTER] [--depths 1024,2048,4096,8000] [--per-depth 4]
-                                 [--max-tokens 96] [--rounds 2] [--json OUT]
+                                 [--max-tokens 96] [--rounds 2] [--json OUT] [--replay [--no-timing]]
 """
 
 from __future__ import annotations
@@ -24,10 +31,16 @@ from pathlib import Path  # noqa: E402
 
 import dflash_mlx  # noqa: E402
 from dflash_mlx.chat_template import render  # noqa: E402
+from dflash_mlx.decode.policy import COPY, AdaptiveDepth, Decision, Plan  # noqa: E402
+from dflash_mlx.eval import replay, traces  # noqa: E402
 from dflash_mlx.eval.bench import measure  # noqa: E402
 from dflash_mlx.eval.prompts import Conversation  # noqa: E402
+from dflash_mlx.eval.replay import CostProfile, Trace  # noqa: E402
 
 PAIR = CACHE / "smollm2" / "bundle"
+TRACES = CACHE / "traces" / "long_prompts"
+COST_CONTEXTS = [256, 1024, 2048, 4096, 8000]
+KINDS = ("warm-up", "drafter", "probe", "copy", "copy retry")  # the cycles --replay charges losses to
 LIB = Path(sysconfig.get_paths()["stdlib"])
 FILES = ["argparse.py", "textwrap.py", "json/decoder.py", "functools.py", "shutil.py", "configparser.py",
          "dataclasses.py", "csv.py"]
@@ -84,6 +97,92 @@ def run(name: str, pair: tuple, by_depth: dict[int, list[Conversation]], args: a
     return table
 
 
+class Ledger:
+    """The default policy, charging each cycle's loss against plain decoding of the same tokens (in plain steps,
+    the profile's) to the kind of decision that planned it."""
+
+    def __init__(self, profile: CostProfile, max_depth: int) -> None:
+        self.policy, self.profile = AdaptiveDepth(max_depth), profile
+        self.repeats, self.lost, self._context = self.policy.repeats, dict.fromkeys(KINDS, 0.0), 0
+
+    def start(self) -> None:
+        self.policy.start()
+        self.lost = dict.fromkeys(KINDS, 0.0)
+
+    def plan(self, history: list[int]) -> Plan:
+        self._context = len(history) + 1
+        self._warm = self.policy.warming_up
+        return self.policy.plan(history)
+
+    def observe(self, plan: Plan, drafted: int, accepted: int, seconds: float, source: str = "drafter") -> None:
+        why = plan.why if isinstance(plan.why, Decision) else None
+        probing = (drafted > 0 and source != COPY and not self._warm
+                   and self.policy.best(why.bucket if why else 0) == 0)
+        self.policy.observe(plan, drafted, accepted, seconds, source)
+        if drafted == 0:
+            return
+        kind = ("warm-up" if self._warm else ("copy retry" if why is not None and why.retry else "copy")
+                if source == COPY else "probe" if probing else "drafter")
+        self.lost[kind] += seconds / self.profile.plain_seconds(self._context) - (accepted + 1)
+
+
+def traced(name: str, source: str, pair: tuple, by_depth: dict[int, list[Conversation]], max_tokens: int
+           ) -> list[Trace]:
+    """Every prompt's trace within the drafter's window, cut at the reply's end of sequence (as the timed runs
+    stop), recorded once per drafter (``source``) and prompt set."""
+    target, drafter, tokenizer = pair
+    path, names = TRACES / f"{name}.jsonl", [f"{d}:{c.name}" for d, convs in by_depth.items() for c in convs]
+    meta = {"drafter": source, "names": names, "max_tokens": max_tokens, "draft_window": drafter.context_window}
+    if path.is_file():
+        saved_meta, saved = traces.read(str(path))
+        if saved_meta == meta:
+            return saved
+    recorded = []
+    eos = set(tokenizer.eos_token_ids)
+    for depth, convs in by_depth.items():
+        for conv in convs:
+            t = traces.record(target, drafter, tokenizer, f"{depth}:{conv.name}", conv.token_ids, max_tokens,
+                              draft_window=drafter.context_window)
+            end = next((i for i, tok in enumerate(t.output) if tok in eos), len(t.output) - 1) + 1
+            recorded.append(Trace(t.name, t.prompt, t.output[:end], t.drafts[: end - 1], t.accepted[: end - 1]))
+            print(f"  traced {t.name}: {end} tokens, E[accepted] at 1/4/15: "
+                  + " / ".join(f"{recorded[-1].accepted[:, k].mean():.2f}" for k in (1, 4, t.max_depth)), flush=True)
+    TRACES.mkdir(parents=True, exist_ok=True)
+    traces.write(str(path), recorded, meta)
+    return recorded
+
+
+def costs(pair: tuple, source: str) -> CostProfile:
+    """This machine's cycle costs at each depth and context (``traces.measure_costs``), measured once per pair."""
+    path, contexts = TRACES / "costs.profile.json", [c for c in COST_CONTEXTS if c + 128 <= pair[0].max_positions]
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("pair") == source and saved.get("contexts") == contexts:
+            return CostProfile.from_dict(saved["profile"])
+    print(f"measuring this machine's cycle costs at {contexts} tokens (once) ...", flush=True)
+    profile = traces.measure_costs(*pair, contexts, steps=12, repeats=2, name="this machine (measured)")
+    TRACES.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pair": source, "contexts": contexts, "profile": profile.to_dict()}, indent=1))
+    return profile
+
+
+def replayed(name: str, recorded: list[Trace], profile: CostProfile) -> None:
+    """The default policy over the traces in order, as one process: per prompt against plain, the oracle's, and
+    what each kind of cycle lost."""
+    print(f"\n{name}: the default policy replayed under {profile.name}; lost = plain steps lost against plain "
+          "decoding of the same tokens, by the kind of cycle")
+    print(f"{'prompt':>28} | {'tokens':>6} | {'replay':>6} | {'oracle':>6} | " + " | ".join(f"{k:>10}" for k in KINDS))
+    ledger, by_depth = Ledger(profile, recorded[0].max_depth), {}
+    for t in recorded:
+        got = replay.simulate(ledger, [t], profile)
+        best = replay.oracle_replay([t], profile)
+        by_depth.setdefault(t.name.split(":")[0], []).append(got.vs_plain)
+        print(f"{t.name:>28} | {got.tokens:>6} | {got.vs_plain:>5.2f}x | {best.vs_plain:>5.2f}x | "
+              + " | ".join(f"{ledger.lost[k]:>10.1f}" for k in KINDS), flush=True)
+    for depth, ratios in by_depth.items():
+        print(f"  depth {depth:>5}: replay median {statistics.median(ratios):.2f}x, worst {min(ratios):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default=str(PAIR), help="the pair's bundle [default: the real pair, make pair]")
@@ -93,23 +192,34 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each path per prompt, alternating order")
     parser.add_argument("--json", help="write every record here")
+    parser.add_argument("--replay", action="store_true", help="then trace every prompt and replay the default policy")
+    parser.add_argument("--no-timing", action="store_true", help="with --replay: no timed runs")
     args = parser.parse_args()
     print_machine()
     bundle = Path(args.pair)
     if not (bundle / "dflash.json").is_file():
         raise SystemExit(f"no bundle at {bundle}: `make pair` builds the real pair")
     pairs = {"default": dflash_mlx.load(str(bundle))}
+    sources = {"default": str(bundle.resolve()), "weak": str(Path(args.weak or ".").resolve())}
     if args.weak:
         pairs["weak"] = dflash_mlx.load(args.weak, str(bundle / "target"))
         pairs["weak"][1].context_window = pairs["default"][1].context_window  # the bundle's drafter window
     tokenizer = pairs["default"][2]
     depths = [int(d) for d in args.depths.split(",")]
     by_depth = prompts(tokenizer, depths, args.per_depth)
-    print(f"\n{args.per_depth} prompts per depth (Python {sysconfig.get_python_version()}'s {', '.join(FILES)}), "
-          f"{args.max_tokens} tokens each, {args.rounds} paired rounds; speedup = default / plain decode tok/s\n")
-    print(f"{'drafter':>8} {'depth':>6} | {'median':>7} | {'worst':>7} {'(prompt)':<24} | {'tau':>5} | {'min':>5} | "
-          f"{'identical':>9} | time")
-    results = {name: run(name, pair, by_depth, args) for name, pair in pairs.items()}
+    if not args.no_timing:
+        print(f"\n{args.per_depth} prompts per depth (Python {sysconfig.get_python_version()}'s {', '.join(FILES)}), "
+              f"{args.max_tokens} tokens each, {args.rounds} paired rounds; speedup = default / plain decode tok/s\n")
+        print(f"{'drafter':>8} {'depth':>6} | {'median':>7} | {'worst':>7} {'(prompt)':<24} | {'tau':>5} | {'min':>5} | "
+              f"{'identical':>9} | time")
+    results = {} if args.no_timing else {name: run(name, pair, by_depth, args) for name, pair in pairs.items()}
+    if args.replay:
+        profile = costs(pairs["default"], sources["default"])
+        for c, plain, row in zip(profile.contexts, profile.plain, profile.cycle):
+            print(f"context {c:>5}: plain step {1e3 * plain:.1f} ms; cycle at k = 0, 1, 4, 15: "
+                  + ", ".join(f"{row[k] / plain:.2f}" for k in (0, 1, 4, len(row) - 1)) + " plain steps")
+        for name, pair in pairs.items():
+            replayed(name, traced(name, sources[name], pair, by_depth, args.max_tokens), profile)
     if args.json:
         Path(args.json).write_text(json.dumps({name: {str(d): t for d, t in table.items()}
                                                for name, table in results.items()}, indent=1))
