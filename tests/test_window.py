@@ -107,20 +107,27 @@ def test_cli_window(models_dir, pairs):
     assert bad.exit_code == 2 and bad.stderr.startswith("error: window (2) must be at least the block size (4)")
 
 
+@pytest.mark.parametrize("windows", ["target window", "drafter window"])
 @pytest.mark.parametrize("case", ["drafts never pay", "drafts pay again"])
-def test_the_default_falls_back_to_plain_at_depth_and_stays_lossless(pairs, looping, case):
-    """At depth (a prompt several windows long, the window on), the default decodes plainly where drafts do not
-    pay and drafts again where they start paying in the same reply (the looping target's loop, which the constant
-    drafter drafts); either way the output is the windowed target's own greedy output."""
+def test_the_default_falls_back_to_plain_at_depth_and_stays_lossless(pairs, looping, case, windows):
+    """At depth (a prompt several windows long, the target's window or the drafter's on), the default decodes
+    plainly where drafts do not pay and drafts again where they start paying in the same reply (the looping target's
+    loop, which the constant drafter drafts); either way the output is the target's own greedy output (windowed
+    where the target is)."""
     if case == "drafts never pay":
         target, drafter, tokenizer = pairs["qwen3"]
     else:
         target, drafter, tokenizer = looping[:3]
     ids = tokenizer.encode(" ".join(PROMPTS * 12))
     assert len(ids) > 4 * 64
-    ref = _windowed_reference(target, ids, 64, 4, max_tokens=160)
-    out = generate(target, drafter, tokenizer, ids, max_tokens=160, eos_token_ids=[], window=64, sinks=4,
-                   prefill_step_size=24)
+    if windows == "target window":
+        ref = _windowed_reference(target, ids, 64, 4, max_tokens=160)
+        settings = dict(window=64, sinks=4)
+    else:  # the target keeps its whole context, the drafter the last 32 positions
+        ref = plain_greedy(target.model, ids, 160, prefill_step_size=24)
+        settings = dict(draft_window=32)
+    out = generate(target, drafter, tokenizer, ids, max_tokens=160, eos_token_ids=[], prefill_step_size=24,
+                   **settings)
     assert out.tokens == ref
     plain = [i for i, d in enumerate(out.drafted) if d == 0]
     assert len(plain) >= len(out.drafted) // 2 if case == "drafts never pay" else plain, out.drafted
