@@ -207,6 +207,7 @@ class AdaptiveDepth:
     memory: float = 0.995
     prompt_memory: float = 0.8
     min_paid: float = 0.125
+    retry_steps: float = 2.0  # the most plain steps a copy retry's verify may cost (``CopyRetries.depth``)
     agree: Optional[Callable[[list[float]], list[float]]] = None
     agree_every: int = 32
     repeats: Repeats = field(default_factory=Repeats)
@@ -289,6 +290,12 @@ class AdaptiveDepth:
         loss = max(self.seconds[depth] / self.seconds[0] - self.by_repeat[bucket].expected_tokens()[depth], 0.0)
         return self.probes.interval(loss)
 
+    def _affordable_copy(self) -> int:
+        """The deepest copy whose verify costs at most ``retry_steps`` plain steps (``CopyRetries.depth``)."""
+        assert self.copy_seconds is not None
+        limit = self.retry_steps * self.copy_seconds[0]
+        return max((k for k in range(1, self.max_depth + 1) if self.copy_seconds[k] <= limit), default=1)
+
     def plan(self, history: Sequence[int]) -> Plan:
         if self.max_depth == 0:
             return PLAIN
@@ -305,7 +312,8 @@ class AdaptiveDepth:
             c = self._argmax(copying)
             won = c > 0 and copying[c] > max(rates)
             if won or self.retries.due(bucket):  # the drafter's plan is the fallback, its schedule with it
-                return Plan(c if won else self.max_depth, COPY, planned, Decision(bucket, at, schedule, retry=not won))
+                depth = c if won else self.retries.depth(self._affordable_copy(), self.max_depth)
+                return Plan(depth, COPY, planned, Decision(bucket, at, schedule, retry=not won))
         return Plan(planned, why=Decision(bucket, at, schedule))
 
     def start(self) -> None:

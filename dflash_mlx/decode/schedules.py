@@ -119,6 +119,7 @@ class CopyRetries:
     wait: int = 0  # cycles until copies may be retried
     backoff: int = 0  # the retry interval while retries lose
     streak: int = 0  # retries accepted whole in a row
+    deeper: int = 0  # the next retry's depth after one accepted whole: twice its depth (0: none was)
 
     def __post_init__(self) -> None:
         self.backoff = self.wait = self.min_probe
@@ -138,6 +139,14 @@ class CopyRetries:
         a recorded load, 0.29 of copying alone). The backoff grows within one stretch of
         repetition only: new text in between (``new_text``) starts it over.
 
+        What a refused retry loses grows with the context: a copy of 15 verified over 4k
+        tokens of the real pair took 3.4 plain steps, and a reply about a long source file
+        repeats its names every few tokens, so retries of 15 came every few cycles and lost
+        5.3 plain steps of a 94-token reply (0.91x plain; issue 62). So a retry drafts no
+        deeper than the policy lets a retry cost (``depth``: where a verify of 16 is cheap, a
+        full block as before), and twice as deep after one accepted whole, so a loop still
+        reaches the full block within a few cycles.
+
         Until the plans carried their decisions (``Plan.why``), the decode loop's plan of a
         plain step's successor, made before that step was read, had the step's outcome settle
         it: every retry then counted as chosen by the costs, and retries never backed off
@@ -148,6 +157,11 @@ class CopyRetries:
         found a random pair's loops too late to copy them.
         """
         return bucket != 0 and self.wait <= 0
+
+    def depth(self, affordable: int, max_depth: int) -> int:
+        """A due retry's depth: ``affordable`` (the deepest whose verify costs what a retry may), deeper after a
+        retry accepted whole."""
+        return min(max(affordable, self.deeper, 1), max_depth)
 
     def passed(self, bucket: int) -> None:
         """A cycle of the drafter's plan (or a plain step) ran at repeat ``bucket``: a retry is one cycle nearer,
@@ -164,10 +178,11 @@ class CopyRetries:
 
     def copied(self, drafted: int, accepted: int, retried: bool) -> None:
         """After a copy: the schedule reset by one the costs chose, moved on by a retry."""
+        self.deeper = 0
         if not retried:
             self.backoff, self.wait, self.streak = self.min_probe, self.min_probe, 0
         elif accepted == drafted and self.streak < COPY_STREAK:
-            self.wait, self.streak = 0, self.streak + 1
+            self.wait, self.streak, self.deeper = 0, self.streak + 1, 2 * drafted
         else:
             self.backoff = min(2 * self.backoff, 256)
             self.wait, self.streak = self.backoff, 0
