@@ -36,6 +36,7 @@ from dflash_mlx.eval import replay, traces  # noqa: E402
 from dflash_mlx.eval.bench import measure  # noqa: E402
 from dflash_mlx.eval.prompts import Conversation  # noqa: E402
 from dflash_mlx.eval.replay import CostProfile, Trace  # noqa: E402
+from dflash_mlx.files import write_atomic  # noqa: E402
 
 PAIR = CACHE / "smollm2" / "bundle"
 TRACES = CACHE / "traces" / "long_prompts"
@@ -134,9 +135,12 @@ def traced(name: str, source: str, pair: tuple, by_depth: dict[int, list[Convers
     path, names = TRACES / f"{name}.jsonl", [f"{d}:{c.name}" for d, convs in by_depth.items() for c in convs]
     meta = {"drafter": source, "names": names, "max_tokens": max_tokens, "draft_window": drafter.context_window}
     if path.is_file():
-        saved_meta, saved = traces.read(str(path))
-        if saved_meta == meta:
-            return saved
+        try:
+            saved_meta, saved = traces.read(str(path))
+            if saved_meta == meta:
+                return saved
+        except (ValueError, KeyError, IndexError, TypeError) as e:  # a truncated or foreign file: recorded again
+            print(f"  {path} is unreadable ({e}); recording the traces again", flush=True)
     recorded = []
     eos = set(tokenizer.eos_token_ids)
     for depth, convs in by_depth.items():
@@ -156,13 +160,16 @@ def costs(pair: tuple, source: str) -> CostProfile:
     """This machine's cycle costs at each depth and context (``traces.measure_costs``), measured once per pair."""
     path, contexts = TRACES / "costs.profile.json", [c for c in COST_CONTEXTS if c + 128 <= pair[0].max_positions]
     if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("pair") == source and saved.get("contexts") == contexts:
-            return CostProfile.from_dict(saved["profile"])
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("pair") == source and saved.get("contexts") == contexts:
+                return CostProfile.from_dict(saved["profile"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # a truncated or foreign file: measured again
+            print(f"{path} is unreadable ({e}); measuring again", flush=True)
     print(f"measuring this machine's cycle costs at {contexts} tokens (once) ...", flush=True)
     profile = traces.measure_costs(*pair, contexts, steps=12, repeats=2, name="this machine (measured)")
     TRACES.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pair": source, "contexts": contexts, "profile": profile.to_dict()}, indent=1))
+    write_atomic(str(path), json.dumps({"pair": source, "contexts": contexts, "profile": profile.to_dict()}, indent=1))
     return profile
 
 
@@ -195,6 +202,8 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true", help="then trace every prompt and replay the default policy")
     parser.add_argument("--no-timing", action="store_true", help="with --replay: no timed runs")
     args = parser.parse_args()
+    if args.no_timing and not args.replay:
+        parser.error("--no-timing goes with --replay (without it nothing would run)")
     print_machine()
     bundle = Path(args.pair)
     if not (bundle / "dflash.json").is_file():
