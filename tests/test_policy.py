@@ -86,21 +86,34 @@ def test_intermediate_depth_matches_the_optimum():
     assert abs(np.median(chosen[100:]) - best) <= 2, (best, chosen[100:])
 
 
-def test_follows_a_change_of_acceptance_within_bounded_cycles():
+def _drop_and_recovery(seed: int) -> tuple[int, int, int, int, float]:
+    """Good drafts, then bad, then good again: (cycles to the first plain step after the drop, plain steps in the
+    drop's last 100 cycles, the probe interval then, cycles to drafting 8+ after the recovery, the median depth
+    after that)."""
     policy = AdaptiveDepth(15)
-    good = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.92, seed=1)
-    bad = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.02, seed=2)
+    good = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.92, seed=seed)
+    bad = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.02, seed=seed + 1)
     run(policy, good, 200)
     after_drop = run(policy, bad, 200)
     first_plain = next(i for i, k in enumerate(after_drop) if k == 0)
-    assert first_plain <= 30, after_drop[:40]
-    assert after_drop[100:].count(0) >= 90
     interval = policy.probe_interval(1)
-    assert interval <= 40  # drafting is cheap here, so probes are frequent
     after_recovery = run(policy, good, 300)
     back = next(i for i, k in enumerate(after_recovery) if k >= 8)
-    assert back <= 2 * interval + 10, after_recovery[:100]  # a probe or two notice, then it stays
-    assert np.median(after_recovery[back + 20 :]) >= 12
+    return first_plain, after_drop[100:].count(0), interval, back, float(np.median(after_recovery[back + 20 :]))
+
+
+def test_follows_a_change_of_acceptance_within_bounded_cycles():
+    """Over four draws of the world's noise (its one timed warm-up plain step, 10% off, misprices every depth by as
+    much, so one draw takes longer to fall to plain): plain within 30 cycles of the drop at the median and 50 at
+    worst, then a probe or two notice the recovery and long drafts return."""
+    runs = [_drop_and_recovery(seed) for seed in (1, 11, 21, 31)]
+    firsts = [r[0] for r in runs]
+    assert np.median(firsts) <= 30 and max(firsts) <= 50, runs
+    for first_plain, plain_tail, interval, back, depth in runs:
+        assert plain_tail >= 85, runs
+        assert interval <= 40, runs  # drafting is cheap here, so probes are frequent
+        assert back <= 2 * interval + 10, runs  # a probe or two notice, then it stays
+        assert depth >= 12, runs
 
 
 def test_a_long_context_does_not_pay_for_costs_learnt_at_a_short_one():
@@ -138,8 +151,11 @@ def test_new_prompts_stop_bringing_probes_forward_where_drafting_never_pays():
     first, later = prompts(never, 6), prompts(never, 24)
     assert sum(first[:3]) >= 3, first
     assert sum(later) <= 24 * 64 / policy.probe_interval(1) + 2, (later, policy.probe_interval(1))
-    policy.start()  # a long reply the drafter follows: a budgeted probe finds it
-    assert sum(k >= 8 for k in run(policy, World(plain=0.05, drafter=0.06, per_token=0.004, alpha=0.97), 400)) > 100
+    policy.start()  # a long reply the drafter follows: a budgeted probe finds it (one of the first few: a probe's
+    interval = policy.probe_interval(1)  # one token, or the doubling after it, can be refused at 3% a token)
+    chosen = run(policy, World(plain=0.05, drafter=0.06, per_token=0.004, alpha=0.97), 800)
+    found = next((i for i, k in enumerate(chosen) if k >= 8), len(chosen))
+    assert found <= 4 * interval and np.mean([k >= 8 for k in chosen[found:]]) >= 0.6, (found, interval)
     assert sum(prompts(never, 3)) >= 2  # drafting paid a prompt ago: new prompts probe again
 
 
@@ -765,3 +781,15 @@ def test_retries_at_a_long_context_are_shallow_and_spaced_by_what_they_lose():
         steps, tokens = steps + took / 0.010, tokens + 1
     assert retries and max(retries) <= 5, retries
     assert steps / tokens - 1 < 0.10, (steps / tokens, len(retries))
+
+
+def test_the_warm_up_drafts_its_full_block_once_and_not_on_a_first_cycle():
+    """A generation's first cycle is not timed (it pays for the prefill's buffers), so a full block there taught the
+    cost model nothing and the next cycle drafted another: at a 4k first prompt on a CPU each costs several plain
+    steps (issue 62). The first cycle decodes plainly; the full block, the plain step and the one token follow, each
+    once; the next generation is not warmed up again."""
+    policy, world = AdaptiveDepth(15), World(plain=0.05, drafter=0.02, per_token=0.01, alpha=0.5)
+    policy.start()
+    assert run(policy, world, 4) == [0, 15, 0, 1]
+    policy.start()
+    assert not policy.warming_up and policy.seconds is not None  # the next generation plans from the estimates
