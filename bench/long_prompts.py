@@ -4,7 +4,9 @@ Chats whose one user message holds a file of Python's standard library and a req
 cut to about 1k, 2k, 4k and 8k tokens through the chat template (SmolLM2 holds 8,192 positions). Every prompt runs
 mlx-lm's plain decoding and dflash-mlx's default (the adaptive policy, the bundle's drafter window) side by side in
 one process, ``--rounds`` times in alternating order (``eval.bench.measure``), tokens compared; per depth the median
-and the worst speedup (decode tok/s over plain's) and tau. ``--weak`` names a second drafter (an earlier checkpoint
+and the worst speedup (decode tok/s over plain's) and tau. A file's prompts run one after another in growing depth,
+each path prefilling only what the one before did not hold: a prefill at 8k tokens takes ~90 s on 2 cores, a reply
+~25 s. ``--weak`` names a second drafter (an earlier checkpoint
 of the same run, say) measured on the same prompts.
 
 ``--replay`` looks for the cause without timing noise: each prompt's trace (``eval.traces``: what a draft of every
@@ -81,21 +83,46 @@ def prompts(tokenizer, depths: list[int], per_depth: int) -> dict[int, list[Conv
     return out
 
 
+def timed_order(by_depth: dict[int, list[Conversation]]) -> list[tuple[int, Conversation]]:
+    """(depth, prompt) in the order the timed runs take them: each file's prompts in growing depth."""
+    return [(d, by_depth[d][i]) for i in range(min(map(len, by_depth.values()))) for d in sorted(by_depth)]
+
+
 def run(name: str, pair: tuple, by_depth: dict[int, list[Conversation]], args: argparse.Namespace) -> dict:
+    """Each prompt timed against plain; a file's prompts in growing depth one after another, so that each prefills
+    only what the one before did not hold (``measure``'s ``reuse_prefix``: one prefill per file and path)."""
     target, drafter, tokenizer = pair
+    order = timed_order(by_depth)
+    tic = time.perf_counter()
+
+    def show(r: dict) -> None:
+        print(f"  {name} {r['prompt_tokens']:>5} tokens {r['prompt']:<22} {r['speedup']:>5.2f}x, tau {r['tau']:.2f}, "
+              f"{r['generated_tokens']} tokens{'' if r['identical'] else ', DIFFERS FROM PLAIN'}", flush=True)
+
+    records = measure(target, drafter, tokenizer, [c for _, c in order], max_tokens=args.max_tokens,
+                      repeats=args.rounds, on_record=show, reuse_prefix=True)
     table = {}
-    for depth, convs in by_depth.items():
-        tic = time.perf_counter()
-        records = measure(target, drafter, tokenizer, convs, max_tokens=args.max_tokens, repeats=args.rounds)
-        speedups, taus = [r["speedup"] for r in records], [r["tau"] for r in records]
-        worst = min(records, key=lambda r: r["speedup"])
-        table[depth] = {"records": records, "median": statistics.median(speedups), "worst": worst["speedup"],
-                        "worst_prompt": worst["prompt"], "tau_median": statistics.median(taus),
-                        "identical": all(r["identical"] for r in records)}
-        print(f"{name:>8} {depth:>6} | {statistics.median(speedups):>6.2f}x | {worst['speedup']:>6.2f}x "
-              f"({worst['prompt']:<22}) | {statistics.median(taus):>5.2f} | {min(taus):>5.2f} | "
-              f"{'all' if table[depth]['identical'] else 'NO':>9} | {time.perf_counter() - tic:>5.0f}s", flush=True)
+    for depth in by_depth:
+        mine = [r for (d, _), r in zip(order, records) if d == depth]
+        speedups, taus = [r["speedup"] for r in mine], [r["tau"] for r in mine]
+        worst = min(mine, key=lambda r: r["speedup"])
+        table[depth] = {"records": mine, "median": statistics.median(speedups), "worst": worst["speedup"],
+                        "worst_prompt": worst["prompt"], "tau_median": statistics.median(taus), "tau_min": min(taus),
+                        "identical": all(r["identical"] for r in mine)}
+    table["seconds"] = time.perf_counter() - tic
     return table
+
+
+def show_table(results: dict[str, dict]) -> None:
+    print(f"\n{'drafter':>8} {'depth':>6} | {'median':>7} | {'worst':>7} {'(prompt)':<24} | {'tau':>5} | {'min':>5} | "
+          "identical")
+    for name, table in results.items():
+        for depth, row in table.items():
+            if depth == "seconds":
+                continue
+            print(f"{name:>8} {depth:>6} | {row['median']:>6.2f}x | {row['worst']:>6.2f}x ({row['worst_prompt']:<22}) | "
+                  f"{row['tau_median']:>5.2f} | {row['tau_min']:>5.2f} | {'all' if row['identical'] else 'NO':>9}")
+        print(f"{name:>8}: {table['seconds'] / 60:.1f} min")
 
 
 class Ledger:
@@ -132,7 +159,8 @@ def traced(name: str, source: str, pair: tuple, by_depth: dict[int, list[Convers
     """Every prompt's trace within the drafter's window, cut at the reply's end of sequence (as the timed runs
     stop), recorded once per drafter (``source``) and prompt set."""
     target, drafter, tokenizer = pair
-    path, names = TRACES / f"{name}.jsonl", [f"{d}:{c.name}" for d, convs in by_depth.items() for c in convs]
+    order = timed_order(by_depth)
+    path, names = TRACES / f"{name}.jsonl", [f"{d}:{c.name}" for d, c in order]
     meta = {"drafter": source, "names": names, "max_tokens": max_tokens, "draft_window": drafter.context_window}
     if path.is_file():
         try:
@@ -143,14 +171,13 @@ def traced(name: str, source: str, pair: tuple, by_depth: dict[int, list[Convers
             print(f"  {path} is unreadable ({e}); recording the traces again", flush=True)
     recorded = []
     eos = set(tokenizer.eos_token_ids)
-    for depth, convs in by_depth.items():
-        for conv in convs:
-            t = traces.record(target, drafter, tokenizer, f"{depth}:{conv.name}", conv.token_ids, max_tokens,
-                              draft_window=drafter.context_window)
-            end = next((i for i, tok in enumerate(t.output) if tok in eos), len(t.output) - 1) + 1
-            recorded.append(Trace(t.name, t.prompt, t.output[:end], t.drafts[: end - 1], t.accepted[: end - 1]))
-            print(f"  traced {t.name}: {end} tokens, E[accepted] at 1/4/15: "
-                  + " / ".join(f"{recorded[-1].accepted[:, k].mean():.2f}" for k in (1, 4, t.max_depth)), flush=True)
+    for depth, conv in order:
+        t = traces.record(target, drafter, tokenizer, f"{depth}:{conv.name}", conv.token_ids, max_tokens,
+                          draft_window=drafter.context_window)
+        end = next((i for i, tok in enumerate(t.output) if tok in eos), len(t.output) - 1) + 1
+        recorded.append(Trace(t.name, t.prompt, t.output[:end], t.drafts[: end - 1], t.accepted[: end - 1]))
+        print(f"  traced {t.name}: {end} tokens, E[accepted] at 1/4/15: "
+              + " / ".join(f"{recorded[-1].accepted[:, k].mean():.2f}" for k in (1, 4, t.max_depth)), flush=True)
     TRACES.mkdir(parents=True, exist_ok=True)
     traces.write(str(path), recorded, meta)
     return recorded
@@ -217,11 +244,12 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     by_depth = prompts(tokenizer, depths, args.per_depth)
     if not args.no_timing:
-        print(f"\n{args.per_depth} prompts per depth (Python {sysconfig.get_python_version()}'s {', '.join(FILES)}), "
-              f"{args.max_tokens} tokens each, {args.rounds} paired rounds; speedup = default / plain decode tok/s\n")
-        print(f"{'drafter':>8} {'depth':>6} | {'median':>7} | {'worst':>7} {'(prompt)':<24} | {'tau':>5} | {'min':>5} | "
-              f"{'identical':>9} | time")
+        print(f"\n{args.per_depth} prompts per depth (Python {sysconfig.get_python_version()}'s "
+              f"{', '.join(FILES[:args.per_depth])}), {args.max_tokens} tokens each, {args.rounds} paired rounds; "
+              "speedup = default / plain decode tok/s\n")
     results = {} if args.no_timing else {name: run(name, pair, by_depth, args) for name, pair in pairs.items()}
+    if results:
+        show_table(results)
     if args.replay:
         profile = costs(pairs["default"], sources["default"])
         for c, plain, row in zip(profile.contexts, profile.plain, profile.cycle):

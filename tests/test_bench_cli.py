@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from dflash_mlx.cli.main import app
 from dflash_mlx.eval import bench
 from dflash_mlx.eval.bench import degenerate, repetition
-from dflash_mlx.eval.prompts import builtin
+from dflash_mlx.eval.prompts import Conversation, builtin
 from dflash_mlx.eval.report import figure, summarize
 from dflash_mlx.models import loader
 
@@ -228,3 +228,22 @@ def test_degenerate_output_is_flagged():
     assert degenerate([7, 8, 9] * 20)
     assert repetition([7, 8, 9] * 20)[0] == 60
     assert not degenerate(list(range(60)))
+
+
+def test_reuse_prefix_prefills_only_what_the_last_run_did_not_hold(pairs):
+    """Prompts cut from one text at growing lengths, one of them twice, then one of another text: with
+    ``reuse_prefix`` each path prefills only the tokens its caches' history did not begin with (one token for a
+    repeat; all of it after the other text), and both paths give the tokens they give from fresh caches."""
+    target, drafter, tokenizer = pairs["qwen3"]
+    text = tokenizer.encode(" ".join(f"line {i}: value = compute({i}, {i * 7 % 13})" for i in range(40)))
+    other = tokenizer.encode("import json\nimport os\n\nclass Config:\n    def load(self, path):\n        return")
+    cuts = [text[:60], text[:120], text[:120], other, text[:200]]
+    conversations = [Conversation(f"p{i}", [], token_ids=ids) for i, ids in enumerate(cuts)]
+    fresh = bench.measure(target, drafter, tokenizer, conversations, max_tokens=12, repeats=2)
+    reused = bench.measure(target, drafter, tokenizer, conversations, max_tokens=12, repeats=2, reuse_prefix=True)
+    for a, b in zip(fresh, reused):
+        assert b["identical"] and a["dflash"]["tokens"] == b["dflash"]["tokens"] == b["plain"]["tokens"]
+        assert a["plain"]["prefilled_tokens"] == a["dflash"]["prefilled_tokens"] == a["prompt_tokens"]
+    prefilled = [(r["plain"]["prefilled_tokens"], r["dflash"]["prefilled_tokens"]) for r in reused]
+    assert all(n <= 60 for n in prefilled[1]) and prefilled[2] == (1, 1), prefilled
+    assert prefilled[3] == (len(other), len(other)) and prefilled[4] == (200, 200), prefilled  # one history kept
