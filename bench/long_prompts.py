@@ -5,8 +5,8 @@ cut to about 1k, 2k, 4k and 8k tokens through the chat template (SmolLM2 holds 8
 mlx-lm's plain decoding and dflash-mlx's default (the adaptive policy, the bundle's drafter window) side by side in
 one process, ``--rounds`` times in alternating order (``eval.bench.measure``), tokens compared; per depth the median
 and the worst speedup (decode tok/s over plain's) and tau. A file's prompts run one after another in growing depth,
-each path prefilling only what the one before did not hold: a prefill at 8k tokens takes ~90 s on 2 cores, a reply
-~25 s. ``--weak`` names a second drafter (an earlier checkpoint
+each prefilled once for both paths and only where the one before did not reach (a prefill at 8k tokens takes ~90 s
+on 2 cores, a reply ~25 s). ``--weak`` names a second drafter (an earlier checkpoint
 of the same run, say) measured on the same prompts.
 
 ``--replay`` looks for the cause without timing noise: each prompt's trace (``eval.traces``: what a draft of every
@@ -90,7 +90,7 @@ def timed_order(by_depth: dict[int, list[Conversation]]) -> list[tuple[int, Conv
 
 def run(name: str, pair: tuple, by_depth: dict[int, list[Conversation]], args: argparse.Namespace) -> dict:
     """Each prompt timed against plain; a file's prompts in growing depth one after another, so that each prefills
-    only what the one before did not hold (``measure``'s ``reuse_prefix``: one prefill per file and path)."""
+    only what the one before did not hold (``measure``'s ``reuse_prefix``: one prefill per file)."""
     target, drafter, tokenizer = pair
     order = timed_order(by_depth)
     tic = time.perf_counter()

@@ -232,8 +232,9 @@ def test_degenerate_output_is_flagged():
 
 def test_reuse_prefix_prefills_only_what_the_last_run_did_not_hold(pairs):
     """Prompts cut from one text at growing lengths, one of them twice, then one of another text: with
-    ``reuse_prefix`` each path prefills only the tokens its caches' history did not begin with (one token for a
-    repeat; all of it after the other text), and both paths give the tokens they give from fresh caches."""
+    ``reuse_prefix`` a prompt is prefilled once for both paths, only the tokens the caches' history did not begin
+    with (one for a repeat; all after the other text), each run then prefills its last token, and both paths give
+    the tokens they give from fresh caches."""
     target, drafter, tokenizer = pairs["qwen3"]
     text = tokenizer.encode(" ".join(f"line {i}: value = compute({i}, {i * 7 % 13})" for i in range(40)))
     other = tokenizer.encode("import json\nimport os\n\nclass Config:\n    def load(self, path):\n        return")
@@ -244,6 +245,6 @@ def test_reuse_prefix_prefills_only_what_the_last_run_did_not_hold(pairs):
     for a, b in zip(fresh, reused):
         assert b["identical"] and a["dflash"]["tokens"] == b["dflash"]["tokens"] == b["plain"]["tokens"]
         assert a["plain"]["prefilled_tokens"] == a["dflash"]["prefilled_tokens"] == a["prompt_tokens"]
-    prefilled = [(r["plain"]["prefilled_tokens"], r["dflash"]["prefilled_tokens"]) for r in reused]
-    assert all(n <= 60 for n in prefilled[1]) and prefilled[2] == (1, 1), prefilled
-    assert prefilled[3] == (len(other), len(other)) and prefilled[4] == (200, 200), prefilled  # one history kept
+        assert "shared_prefill_tokens" not in a and b["plain"]["prefilled_tokens"] == b["dflash"]["prefilled_tokens"] == 1
+    shared = [r["shared_prefill_tokens"] for r in reused]
+    assert shared[0] == 60 and shared[1] <= 60 and shared[2] == 1 and shared[3:] == [len(other), 200], shared

@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 from ..chat_template import has_chat_template, prompt_ids
 from ..decode.generate import generate, keyword_settings
 from ..decode.transaction import DFlashCache
+from ..models.caches import layer_state, set_layer_state
 from .prompts import Conversation
 
 
@@ -73,6 +74,15 @@ class PlainCache:
             self.layers, keep = self.fresh(), 0
         self.tokens = ids[:keep]
         return ids[keep:]
+
+    def adopt(self, layers: list[Any], tokens: list[int]) -> None:
+        """Hold copies of another path's caches (the DFlash target's, after it prefilled), which hold ``tokens``;
+        where they are of another kind (a window's slack differs) this path goes on prefilling for itself."""
+        try:
+            self.layers = [set_layer_state(c, layer_state(t)) for c, t in zip(self.fresh(), layers)]
+            self.tokens = list(tokens)
+        except ValueError:
+            pass
 
 
 def _plain(target: Any, ids: list[int], max_tokens: int, window: Optional[int], sinks: int,
@@ -139,8 +149,9 @@ def measure(
 
     ``reuse_prefix`` keeps each path's caches from one run to the next, so a prompt prefills only what the last
     run's history did not begin with: the repeats of a prompt, and prompts cut from one text at growing lengths,
-    cost one prefill (at 8k tokens of the real pair on 2 cores a prefill takes ~90 s, a 96-token reply ~25 s).
-    Decode speeds are unchanged; time to first token and prefill speed then count the part prefilled."""
+    cost one prefill, which DFlash runs before the rounds and plain decoding takes a copy of (at 8k tokens of the
+    real pair on 2 cores a prefill takes ~90 s, a 96-token reply ~25 s). Decode speeds are unchanged; time to
+    first token and prefill speed then count the part prefilled in the round, a token or so."""
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     dflash_kwargs: dict[str, Any] = dict(block_size=block_size, draft_source=draft_source, window=window, sinks=sinks,
                                          draft_window=draft_window, **sampling, **kv)
@@ -157,7 +168,12 @@ def measure(
     records = []
 
     def paired(name: str, turn: int, ids: list[int]) -> dict[str, Any]:
-        record = _record(name, turn, ids, _alternating(paths, ids, repeats), temperature)
+        shared = {}
+        if kept is not None:  # one prefill for both paths
+            shared["shared_prefill_tokens"] = _dflash(target, drafter, tokenizer, ids, max_tokens=1,
+                                                      **dflash_kwargs)["prefilled_tokens"]
+            kept.adopt(dflash_kwargs["cache"].target, dflash_kwargs["cache"].tokens)
+        record = _record(name, turn, ids, _alternating(paths, ids, repeats), temperature) | shared
         records.append(record)
         on_record(record)
         return record
