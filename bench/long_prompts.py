@@ -45,8 +45,9 @@ TRACES = CACHE / "traces" / "long_prompts"
 COST_CONTEXTS = [256, 1024, 2048, 4096, 8000]
 KINDS = ("warm-up", "drafter", "probe", "copy", "copy retry")  # the cycles --replay charges losses to
 LIB = Path(sysconfig.get_paths()["stdlib"])
-FILES = ["argparse.py", "textwrap.py", "json/decoder.py", "functools.py", "shutil.py", "configparser.py",
-         "dataclasses.py", "csv.py"]
+# Each holds over 9k tokens of SmolLM2's tokenizer, so that every depth up to 8k is a cut of it.
+FILES = ["argparse.py", "shutil.py", "dataclasses.py", "functools.py", "configparser.py", "pathlib.py",
+         "subprocess.py", "logging/__init__.py"]
 ASKS = [
     "Summarize what the file above does, then name its three most important functions or classes.",
     "Find one bug or risky spot in the code above and show the fixed lines.",
@@ -74,12 +75,17 @@ def conversation(tokenizer, path: str, ask: str, depth: int) -> list[int]:
 
 
 def prompts(tokenizer, depths: list[int], per_depth: int) -> dict[int, list[Conversation]]:
-    """``per_depth`` chats at each depth, each of another file and ask (the same ones at every depth)."""
+    """``per_depth`` chats at each depth, each of another file and ask (the same ones at every depth); a file too
+    short to fill a depth is refused (its whole text would be measured as that depth)."""
     out = {}
     for depth in depths:
-        out[depth] = [Conversation(f"{FILES[i % len(FILES)]}:{i % len(ASKS)}", [],
-                                   token_ids=conversation(tokenizer, FILES[i % len(FILES)], ASKS[i % len(ASKS)], depth))
-                      for i in range(per_depth)]
+        out[depth] = []
+        for i in range(per_depth):
+            path, ask = FILES[i % len(FILES)], ASKS[i % len(ASKS)]
+            ids = conversation(tokenizer, path, ask, depth)
+            if len(ids) < 0.95 * depth:
+                raise SystemExit(f"{path} fills only {len(ids)} of the {depth} tokens asked: choose smaller --depths")
+            out[depth].append(Conversation(f"{path}:{i % len(ASKS)}", [], token_ids=ids))
     return out
 
 

@@ -102,9 +102,15 @@ def test_ctrl_c_during_generate_json_keeps_what_was_generated(models_dir, sent, 
             "-m", "100000", "--json"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_sigint)
-    time.sleep(8)  # loaded (a few seconds here) and decoding
+    # Decoding starts as the note on the model's positions is printed; the whole reply takes a few seconds here, so a
+    # fixed sleep from the start could land after it (on OpenBLAS the load and 4k tokens fit in 8 s).
+    started = ""
+    while "positions" not in started and proc.poll() is None:
+        started += proc.stderr.readline()
+    time.sleep(1)
     proc.send_signal(sent)
     out, err = finish(proc, 60)
+    err = started + err
     assert proc.returncode == code and "Traceback" not in err, err
     result = json.loads(out)
     assert result["interrupted"] and result["finish_reason"] == "interrupted" and len(result["tokens"]) > 10

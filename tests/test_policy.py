@@ -784,12 +784,16 @@ def test_retries_at_a_long_context_are_shallow_and_spaced_by_what_they_lose():
 
 
 def test_the_warm_up_drafts_its_full_block_once_and_not_on_a_first_cycle():
-    """A generation's first cycle is not timed (it pays for the prefill's buffers), so a full block there taught the
-    cost model nothing and the next cycle drafted another: at a 4k first prompt on a CPU each costs several plain
-    steps (issue 62). The first cycle decodes plainly; the full block, the plain step and the one token follow, each
-    once; the next generation is not warmed up again."""
+    """A generation's first cycle is not timed (it pays for the prefill's buffers and the drafter's first call), so
+    a full block there taught the cost model nothing and the next cycle drafted another: at a 4k first prompt on a
+    CPU each costs several plain steps (issue 62). The first cycle drafts one token (the drafter's first call paid
+    where it is not timed); the full block, the plain step and the one token follow, each once; the next generation
+    is not warmed up again. A target alone (no drafter) starts with a plain step."""
     policy, world = AdaptiveDepth(15), World(plain=0.05, drafter=0.02, per_token=0.01, alpha=0.5)
     policy.start()
-    assert run(policy, world, 4) == [0, 15, 0, 1]
+    assert run(policy, world, 4) == [1, 15, 0, 1]
     policy.start()
     assert not policy.warming_up and policy.seconds is not None  # the next generation plans from the estimates
+    alone = AdaptiveDepth(15, drafter=False)
+    alone.start()
+    assert alone.plan([]).depth == 0

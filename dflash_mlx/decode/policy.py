@@ -132,11 +132,12 @@ class AdaptiveDepth:
     """Draft the k in 0..``max_depth`` that maximises E[tokens(k)] / t(k), probing now and then.
 
     Until the cost model has seen plain, one-draft and longer cycles it runs a short
-    warm-up (a full block, a plain step, one token), after a plain step where the
-    cycle is a generation's first, whose seconds are not its depth's and teach the
-    model nothing: a full block there was drafted twice, and at a long first prompt
-    each costs several plain steps (3.4 at 4k tokens of the real pair on a CPU,
-    issue 62). While plain decoding wins
+    warm-up (a full block, a plain step, one token). A generation's first cycle is
+    not timed, so there it drafts one token: its seconds would teach the model
+    nothing, but the drafter's first call (its weights read in, its buffers made)
+    is paid there, not priced into every later draft; a full block there was
+    drafted twice, and at a long first prompt each costs several plain steps (3.4
+    at 4k tokens of the real pair on a CPU, issue 62). While plain decoding wins
     it drafts again now and then, so that a drafter whose acceptance recovers is
     noticed. A probe drafts one token, the cheapest question (does the target take
     the drafter's first token?), and one accepted whole is followed at once by one
@@ -305,8 +306,8 @@ class AdaptiveDepth:
             return PLAIN
         bucket, at = self.repeats.bucket(history), span(len(history))
         self._enter(at)  # (a plain step in flight, planned in the span before, moves back to it when observed)
-        if self.warming_up:  # a full block, a plain step, one token; untimed, a plain step (it costs nothing)
-            return Plan(self.costs.missing()[0] if self._timed else 0, why=Decision(bucket, at))
+        if self.warming_up:  # a full block, a plain step, one token; untimed, one token (see the class doc)
+            return Plan(self.costs.missing()[0] if self._timed else int(self.drafter), why=Decision(bucket, at))
         rates = self._rates(bucket)
         planned, schedule = 0, None
         if self.drafter:
