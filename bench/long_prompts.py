@@ -16,7 +16,7 @@ the order the timed runs take them, as one process. Per prompt: the replay again
 schedule in hindsight), and the plain steps each kind of cycle lost against plain decoding of the same tokens (the
 warm-up, drafter cycles the costs chose, probes, copies the costs chose, copy retries).
 
-    python bench/long_prompts.py [--pair BUNDLE] [--weak DRAFTER] [--depths 1024,2048,4096,8000] [--per-depth 4]
+    python bench/long_prompts.py [--pair BUNDLE] [--weak DRAFTER] [--depths 1024,2048,4096,8000] [--per-depth 3]
                                  [--max-tokens 96] [--rounds 2] [--json OUT] [--replay [--no-timing]]
 """
 
@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--pair", default=str(PAIR), help="the pair's bundle [default: the real pair, make pair]")
     parser.add_argument("--weak", help="a second drafter for the same target, measured on the same prompts")
     parser.add_argument("--depths", default="1024,2048,4096,8000")
-    parser.add_argument("--per-depth", type=int, default=4)
+    parser.add_argument("--per-depth", type=int, default=3, help="prompts per depth (4: ~22 min on 2 cores, 3: ~16)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each path per prompt, alternating order")
     parser.add_argument("--json", help="write every record here")

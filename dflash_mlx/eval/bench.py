@@ -77,11 +77,12 @@ class PlainCache:
 
     def adopt(self, layers: list[Any], tokens: list[int]) -> None:
         """Hold copies of another path's caches (the DFlash target's, after it prefilled), which hold ``tokens``;
-        where they are of another kind (a window's slack differs) this path goes on prefilling for itself."""
+        where they are of another kind (a window's slack differs, a layer has no snapshot) this path goes on
+        prefilling for itself."""
         try:
             self.layers = [set_layer_state(c, layer_state(t)) for c, t in zip(self.fresh(), layers)]
             self.tokens = list(tokens)
-        except ValueError:
+        except (ValueError, TypeError):
             pass
 
 
