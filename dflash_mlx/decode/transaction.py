@@ -7,7 +7,7 @@ committed history in agreement through every cycle, however the caller leaves it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -55,6 +55,11 @@ class CacheState:
         """Whether the caches can go back to any point of the history: every target layer full attention (the
         drafter's context, windowed or not, is made again from the target where it cannot follow)."""
         return rewindable_kinds(kind for kind, _, _ in self.target)
+
+
+def common_prefix(held: Sequence[int], ids: Sequence[int]) -> int:
+    """How many leading tokens two histories share."""
+    return next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
 
 
 @dataclass(eq=False)
@@ -157,8 +162,7 @@ class DFlashCache:
         """
         self.abandon()
         self._owner = lease = object()
-        common = next((i for i, (a, b) in enumerate(zip(self.tokens, ids)) if a != b), min(len(self.tokens), len(ids)))
-        self._rewind(min(common, len(ids) - 1))  # at least the last prompt token runs: its logits start decoding
+        self._rewind(min(common_prefix(self.tokens, ids), len(ids) - 1))  # at least the last prompt token runs: its logits start decoding
         return len(self.tokens), lease
 
     def _rewind(self, n: int) -> None:

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from ..chat_template import has_chat_template, prompt_ids
 from ..decode.generate import generate, keyword_settings
-from ..decode.transaction import DFlashCache
+from ..decode.transaction import DFlashCache, common_prefix
 from ..models.caches import layer_state, set_layer_state
 from .prompts import Conversation
 
@@ -67,8 +67,7 @@ class PlainCache:
     def take(self, ids: list[int]) -> list[int]:
         """The caches brought back to the longest beginning they share with ``ids`` (all but its last token at most:
         its logits start decoding), anew where they cannot go back that far; the ids left to prefill."""
-        common = next((i for i, (a, b) in enumerate(zip(self.tokens, ids)) if a != b), min(len(self.tokens), len(ids)))
-        keep = min(common, len(ids) - 1)
+        keep = min(common_prefix(self.tokens, ids), len(ids) - 1)
         excess = len(self.tokens) - keep
         if excess and not (can_trim_prompt_cache(self.layers) and trim_prompt_cache(self.layers, excess) == excess):
             self.layers, keep = self.fresh(), 0

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.cache_files import FORMAT, TEMPORARY, is_temporary, read_header, read_state, write_state
-from ..decode.transaction import CacheState, DFlashCache
+from ..decode.transaction import CacheState, DFlashCache, common_prefix
 from ..errors import DFlashError
 from ..models.caches import rewindable_kinds
 
@@ -50,7 +50,7 @@ STALE_WRITE = 600  # seconds: a live writer's temporary file keeps growing; one 
 
 def usable(tokens: list[int], rewindable: bool, ids: list[int]) -> int:
     """How many of ``ids`` a cache holding ``tokens`` serves (at least the last id must still run)."""
-    common = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
+    common = common_prefix(tokens, ids)
     if rewindable:
         return min(common, len(ids) - 1)
     return len(tokens) if common == len(tokens) and len(tokens) < len(ids) else 0  # only where it was taken
