@@ -235,6 +235,8 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true", help="then trace every prompt and replay the default policy")
     parser.add_argument("--no-timing", action="store_true", help="with --replay: no timed runs")
     args = parser.parse_args()
+    if args.per_depth < 1 or args.rounds < 1:
+        parser.error("--per-depth and --rounds must be at least 1")
     if args.no_timing and not args.replay:
         parser.error("--no-timing goes with --replay (without it nothing would run)")
     print_machine()

@@ -106,8 +106,7 @@ def _plain(target: Any, ids: list[int], max_tokens: int, window: Optional[int], 
     ttft = stamps[0] - tic
     decode = (len(tokens) - 1) / (stamps[-1] - stamps[0]) if len(tokens) > 1 else 0.0
     return {"tokens": tokens, "prefilled_tokens": len(rest), "ttft_s": ttft, "prefill_tps": len(rest) / ttft,
-            "decode_tps": decode,
-            "peak_memory_gb": mx.get_peak_memory() / 1e9}
+            "decode_tps": decode, "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
 
 def _dflash(target: Any, drafter: Any, tokenizer: Any, ids: list[int], **kwargs: Any) -> dict[str, Any]:
