@@ -222,12 +222,16 @@ def test_other_architectures_in_the_server(tmp_path, model_type, batches):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_alone_is_noticed_within_a_cycle(batched, stream):
+def test_a_client_that_leaves_alone_is_noticed_within_a_cycle(batched, models_dir, stream):
     """A client killed while its request decodes alone in the batch (nothing else arriving): the row stops within a
     cycle. A whole answer's pieces kept coming while it decoded, so its client's leaving was noticed only when the
     request ended or the next one arrived (minutes of 100% CPU after an agent was killed)."""
     cancelled = httpx.get(f"{batched}/health").json()["cancelled"]
-    body = {"prompt": "The quick brown fox", "max_tokens": 100000, "temperature": 0, "stream": stream}
+    # The end-of-text token is barred: this target's greedy reply ends after ~1,000 tokens, which a fast machine
+    # decoded within the client's 1.5 s, so the client got its answer instead of leaving.
+    eos = json.loads((models_dir / "qwen3" / "config.json").read_text())["eos_token_id"]
+    body = {"prompt": "The quick brown fox", "max_tokens": 100000, "temperature": 0, "stream": stream,
+            "logit_bias": {str(eos): -100}}
     try:  # the client gives up mid-reply (a whole one times out, a stream stops reading) and closes its connection
         with httpx.stream("POST", f"{batched}/v1/completions", json=body, timeout=1.5) as r:
             began = time.monotonic()
