@@ -119,13 +119,13 @@ class DrafterArgs(BaseModelArgs):
 
 
 def block_mask(anchors: np.ndarray, context_len: int, block_size: int, window: Optional[int] = None) -> np.ndarray:
-    """Boolean [N*B, context_len + N*B]: may block row q (of blocks anchored at ``anchors``) see key k.
+    """Boolean [N*B, context_len]: may block row q (of blocks anchored at ``anchors``) see context position k.
 
-    Keys are [context positions 0..context_len-1 ; every block's rows]. A block sees
-    the context strictly before its anchor (the anchor's own features are not known
-    when it drafts) and all of its own block, in both directions. With ``window`` W,
-    row i at position anchor + i sees only context k with anchor + i - k < W, the
-    public DFlash training recipe's rule (``WindowKVCache.block_mask`` at inference).
+    A block sees the context strictly before its anchor (the anchor's own features are not known
+    when it drafts); it sees all of its own block, in both directions, and no other block (the
+    attention takes its own block apart: ``Attention._blocks_attention``). With ``window`` W, row i
+    at position anchor + i sees only context k with anchor + i - k < W, the public DFlash training
+    recipe's rule (``WindowKVCache.block_mask`` at inference).
     """
     anchors = np.asarray(anchors)
     rows = (anchors[:, None] + np.arange(block_size)).reshape(-1, 1)  # absolute position of each row
@@ -134,8 +134,7 @@ def block_mask(anchors: np.ndarray, context_len: int, block_size: int, window: O
     context = k < starts
     if window is not None:
         context &= rows - k < window
-    block_of = np.repeat(np.arange(len(anchors)), block_size)
-    return np.concatenate([context, block_of[:, None] == block_of[None, :]], axis=1)
+    return context
 
 
 @dataclass
@@ -154,12 +153,14 @@ class Blocks:
     _masks: dict[Optional[int], mx.array] = field(default_factory=dict, repr=False)
 
     def mask(self, window: Optional[int]) -> mx.array:
-        """[S, 1, N*B, L + N*B] for a layer with this window (None: full attention), within ``self.window``."""
+        """[S, 1, 1, N, B, L]: which context positions each row sees, for a layer with this window (None: full
+        attention), within ``self.window``."""
         if self.window is not None:
             window = self.window if window is None else min(window, self.window)
         if window not in self._masks:
             masks = [block_mask(a, self.context_len, self.block_size, window) for a in self.anchors]
-            self._masks[window] = mx.array(np.stack(masks))[:, None]
+            S, N = self.anchors.shape
+            self._masks[window] = mx.array(np.stack(masks)).reshape(S, 1, 1, N, self.block_size, self.context_len)
         return self._masks[window]
 
 
@@ -201,34 +202,46 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, context: mx.array, cache: Union[Cache, Blocks]) -> mx.array:
         B, L, _ = x.shape
         if isinstance(cache, Blocks):
-            q, k, v, mask = self._blocks_qkv(x, context, cache)
-        else:
-            C = context.shape[1]
-            # One projection over [new context ; block]: both parts share k/v weights.
-            # Context sits at its absolute positions, the block right after it.
-            k, v = self.context_kv(mx.concatenate([context, x], axis=1) if C else x, cache.offset)
-            q = self.queries(x, cache.offset + C)
-            mask = cache.block_mask(C, L) if isinstance(cache, WindowKVCache) else None
-            k, v = cache.update_and_fetch(k, v)
+            return self.o_proj(self._blocks_attention(x, context, cache).reshape(B, L, -1))
+        C = context.shape[1]
+        # One projection over [new context ; block]: both parts share k/v weights.
+        # Context sits at its absolute positions, the block right after it.
+        k, v = self.context_kv(mx.concatenate([context, x], axis=1) if C else x, cache.offset)
+        q = self.queries(x, cache.offset + C)
+        mask = cache.block_mask(C, L) if isinstance(cache, WindowKVCache) else None
+        k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def _blocks_qkv(self, x: mx.array, context: mx.array, blocks: Blocks) -> tuple[mx.array, ...]:
-        """Queries, keys, values and mask for training: each block rotated from its own anchor."""
+    def _blocks_attention(self, x: mx.array, context: mx.array, blocks: Blocks) -> mx.array:
+        """Training's attention, [S, N*B, heads, d]: each block over the context before its anchor and over itself.
+
+        Each block is rotated from its own anchor. Its scores are taken against the context and against its own
+        rows apart, then softmaxed together: one mask over [context ; every block of the sequence] computed
+        N*B scores per row for the B it keeps, and softmax's exponentials are most of a step on a CPU (1,573
+        positions/s on the real pair before, ``bench/train_speed.py``).
+        """
         S, T, H = x.shape
         n, b = T // blocks.block_size, blocks.block_size
+        kv, rep = self.n_kv_heads, self.n_heads // self.n_kv_heads
         offsets = mx.array(blocks.anchors.reshape(-1))
         per_block = x.reshape(S * n, b, H)  # one row per block, so that each gets its own RoPE offset
-
-        def merge(t: mx.array) -> mx.array:  # [S*n, heads, b, d] -> [S, heads, n*b, d]
-            return t.reshape(S, n, t.shape[1], b, -1).transpose(0, 2, 1, 3, 4).reshape(S, t.shape[1], n * b, -1)
-
-        q = merge(self.queries(per_block, offsets))
-        block_k, block_v = (merge(t) for t in self.context_kv(per_block, offsets))
-        context_k, context_v = self.context_kv(context, 0)
-        k = mx.concatenate([context_k, block_k], axis=2)
-        v = mx.concatenate([context_v, block_v], axis=2)
-        return q, k, v, blocks.mask(self.window)
+        q = self.queries(per_block, offsets) * self.scale  # [S*n, heads, b, d]
+        block_k, block_v = self.context_kv(per_block, offsets)  # [S*n, kv, b, d]
+        context_k, context_v = self.context_kv(context, 0)  # [S, kv, L, d]
+        L = context_k.shape[2]
+        # Queries grouped by their kv head: [S, n, kv, rep, b, d], and [S, kv, rep, n*b, d] for the shared context.
+        q = q.reshape(S, n, kv, rep, b, -1)
+        by_context = q.transpose(0, 2, 3, 1, 4, 5).reshape(S, kv, rep, n * b, -1)
+        to_context = (by_context @ context_k[:, :, None].swapaxes(-1, -2)).reshape(S, kv, rep, n, b, L)
+        block_k = block_k.reshape(S, n, kv, 1, b, -1)
+        to_block = (q @ block_k.swapaxes(-1, -2)).transpose(0, 2, 3, 1, 4, 5)  # [S, kv, rep, n, b, b]
+        to_context = mx.where(blocks.mask(self.window), to_context, mx.finfo(to_context.dtype).min)
+        p = mx.softmax(mx.concatenate([to_context, to_block], axis=-1), axis=-1, precise=True)
+        out = p[..., :L].reshape(S, kv, rep, n * b, L) @ context_v[:, :, None]  # [S, kv, rep, n*b, d]
+        own = p[..., L:].transpose(0, 3, 1, 2, 4, 5) @ block_v.reshape(S, n, kv, 1, b, -1)  # [S, n, kv, rep, b, d]
+        out = out.reshape(S, kv, rep, n, b, -1) + own.transpose(0, 2, 3, 1, 4, 5)
+        return out.reshape(S, kv * rep, n * b, -1).transpose(0, 2, 1, 3)
 
 
 class MLP(nn.Module):
