@@ -54,7 +54,7 @@ def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, mi
     optimizer = optim.AdamW(learning_rate=lr)
     weights = mx.exp(-mx.arange(15, dtype=mx.float32) / gamma)
     head = objective.Head.of(target, [sequences[i] for i in train])
-    loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights, head))
+    loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights))
     check = objective.make_batch(target, [sequences[i] for i in held], [store[i] for i in held],
                                  np.random.default_rng(123), 8, 16, drafter.mask_token_id)
 
@@ -72,7 +72,7 @@ def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, mi
         picks = rng.choice(train, size=batch, replace=False)
         b = objective.make_batch(target, [sequences[i] for i in picks], [store[i] for i in picks], rng, anchors, 16,
                                  drafter.mask_token_id)
-        b.negatives = head.sample(rng)
+        b.columns = head.sample(rng, np.array(b.labels))
         optimizer.learning_rate = objective.learning_rate(spent / (minutes * 60), lr)
         loss, grads = loss_and_grad(b)
         optimizer.update(drafter, optim.clip_grad_norm(grads, 1.0)[0])

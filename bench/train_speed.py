@@ -5,10 +5,11 @@ On the real pair's stored features (after `make pair`: bench/.cache/smollm2/draf
 
 - the parts of one step: the batch, the drafter's forward, the loss (head and cross-entropy), the whole
   step with its backward and the optimizer;
-- whole steps of the attention as it was (every block of a sequence under one mask over the context and all
-  N*B block rows: what `bench/train_speed.py` found was most of a step) against the attention as it is (each
-  block's scores against the context and against its own rows apart), in alternating rounds on the same
-  batches, with the largest difference of their losses (the same function, so ~1e-6).
+- whole steps as they were and as they are, in alternating rounds on the same batches. Before: every block of
+  a sequence under one mask over the context and all N*B block rows, and a softmax over every token of the
+  training text plus 2,048 sampled others. Now: each block's scores against the context and its own rows
+  apart (the same function: the losses agree to ~1e-6), and a softmax over the step's labels' tokens plus
+  samples (``objective.Head.sample``). Between them, the attention alone.
 
     python bench/train_speed.py [--steps 6] [--rounds 3]
 """
@@ -89,33 +90,47 @@ def main() -> None:
     init_from_target(drafter, target)
     head = objective.Head.of(target, sequences)
     weights = objective.position_weights(BLOCK)
-    loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights, head))
+    loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights))
     optimizer = optim.AdamW(learning_rate=1e-4)
 
     def batch(i: int) -> objective.Batch:
         rng = np.random.default_rng([0, i])
         picks = rng.choice(len(sequences), size=BATCH, replace=False)
-        b = objective.make_batch(target, [sequences[j] for j in picks], [store[j] for j in picks], rng, ANCHORS,
-                                 BLOCK, drafter.mask_token_id)
-        b.negatives = head.sample(rng)
-        return b
+        return objective.make_batch(target, [sequences[j] for j in picks], [store[j] for j in picks], rng, ANCHORS,
+                                    BLOCK, drafter.mask_token_id)
 
-    def step(b: objective.Batch) -> mx.array:
+    def whole_text(b: objective.Batch, rng: np.random.Generator) -> objective.Columns:
+        """The softmax before: every token of the training text, and 2,048 others standing for the rest."""
+        others = rng.choice(head.others, size=2048, replace=False)
+        return objective.Columns(
+            rows=mx.concatenate([head.rows, head.weight(mx.array(others))]),
+            shift=mx.array(np.r_[np.zeros(len(head.kept)), np.full(2048, np.log(len(head.others) / 2048))],
+                           dtype=mx.float32),
+            labels=mx.array(head.lookup[np.array(b.labels)]))
+
+    def step(b: objective.Batch) -> Any:
         loss, grads = loss_and_grad(b)
         optimizer.update(drafter, optim.clip_grad_norm(grads, 1.0)[0])
         return drafter.parameters(), optimizer.state, loss
 
     batches = [batch(i) for i in range(args.steps)]
+    sampled = [head.sample(np.random.default_rng(i), np.array(b.labels)) for i, b in enumerate(batches)]
+    before = [whole_text(b, np.random.default_rng(i)) for i, b in enumerate(batches)]
     positions = batches[0].tokens
     print(f"\nrecipe: {BATCH} sequences x {ANCHORS} blocks of {BLOCK} = {positions} supervised positions a step; "
-          f"head {head.rows.shape[0]} kept rows + {objective.NEGATIVES} sampled")
+          f"softmax over {head.rows.shape[0] + 2048} columns before, "
+          f"{statistics.median(c.rows.shape[0] for c in sampled):.0f} now (median)")
+    for b, c in zip(batches, sampled):
+        b.columns = c
     parts = {
-        "batch (features, embeddings)": lambda i: (lambda b: (b.features, b.embeddings))(batch(100 + i)),
+        "batch (features, embeddings, columns)": lambda i: (lambda b: (b.features, b.embeddings, head.sample(
+            np.random.default_rng(i), np.array(b.labels)).rows))(batch(100 + i)),
         "drafter forward": lambda i: drafter(batches[i].embeddings, batches[i].features,
                                              Blocks(batches[i].anchors, batches[i].features.shape[1], BLOCK)),
         "loss forward (drafter, head, cross-entropy)": lambda i: objective.block_loss(drafter, target, batches[i],
-                                                                                       weights, head),
+                                                                                       weights),
         "loss and gradients": lambda i: loss_and_grad(batches[i]),
+        "whole step (and the optimizer)": lambda i: step(batches[i]),
     }
     print("\none step, now (median of the steps after the first):")
     for name, fn in parts.items():
@@ -123,26 +138,32 @@ def main() -> None:
         print(f"  {name:<45} {1000 * statistics.median(times[1:]):7.0f} ms")
 
     attn = drafter.layers[0].self_attn
-    variants = {"before (one mask over every block)": lambda x, c, blocks: dense_attention(attn, x, c, blocks),
-                "now (context and own block apart)": Attention._blocks_attention.__get__(attn)}
+    dense = lambda x, c, blocks: dense_attention(attn, x, c, blocks)  # noqa: E731
+    split = Attention._blocks_attention.__get__(attn)
+    variants = {"before": (dense, before), "the attention alone": (split, before), "now": (split, sampled)}
     diffs = []
-    for b in batches[:2]:
+    for b, c in zip(batches[:2], before):
+        b.columns = c
         losses = []
-        for fn in variants.values():
+        for fn in (dense, split):
             attn._blocks_attention = fn
-            losses.append(objective.block_loss(drafter, target, b, weights, head).item())
+            losses.append(objective.block_loss(drafter, target, b, weights).item())
         diffs.append(abs(losses[0] - losses[1]))
     rates: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
-        for name, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
+        for name, (fn, columns) in (variants.items() if r % 2 == 0 else reversed(variants.items())):
             attn._blocks_attention = fn
+            for b, c in zip(batches, columns):
+                b.columns = c
             times = [timed(lambda: step(b)) for b in batches]
             rates[name].append(positions / statistics.median(times[1:]))
     print(f"\nwhole steps, {args.rounds} alternating rounds of {args.steps} (positions a second, median of rounds):")
     for name, values in rates.items():
-        print(f"  {name:<40} {statistics.median(values):7.0f}  (rounds: {', '.join(f'{v:.0f}' for v in values)})")
-    before, now = (statistics.median(v) for v in rates.values())
-    print(f"  now / before: {now / before:.2f}x; loss difference at most {max(diffs):.1e}")
+        print(f"  {name:<22} {statistics.median(values):7.0f}  (rounds: {', '.join(f'{v:.0f}' for v in values)})")
+    was = statistics.median(rates["before"])
+    print(f"  now / before: {statistics.median(rates['now']) / was:.2f}x, the attention alone "
+          f"{statistics.median(rates['the attention alone']) / was:.2f}x; the two attentions' losses differ by at most "
+          f"{max(diffs):.1e}")
 
 
 if __name__ == "__main__":

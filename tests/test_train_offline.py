@@ -95,38 +95,41 @@ def test_a_store_of_other_data_or_a_damaged_one_is_made_again(target, tmp_path, 
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_the_sub_head_scores_as_the_full_head_does_on_its_tokens(target_path, quantized, monkeypatch):
-    """Its logits are the full head's at its tokens; over the whole vocabulary its loss is the full loss,
-    and over fewer tokens the loss can only be lower (fewer competitors in the softmax)."""
+def test_a_steps_columns_score_as_the_full_head_and_their_samples_stand_for_the_rest(target_path, quantized,
+                                                                                      monkeypatch):
+    """With every token drawn a step's columns give the full loss (rows, label columns and shifts agree); with only
+    its labels' tokens the loss is lower (fewer competitors in the softmax); the two samples, shifted by
+    log(pool / drawn), bring it back to the full loss on average."""
     target = load(target_path, quantized)
     seqs = sequences(3)
     head = Head.of(target, seqs)
     ids = np.unique(np.concatenate([p + r for p, r in seqs]))
     h = mx.random.normal((5, target.hidden_size))
     np.testing.assert_allclose(np.array(h @ head.rows.T), np.array(target.lm_head(h)[:, mx.array(ids)]), rtol=1e-4, atol=1e-4)
+    drawn = np.random.default_rng(1).choice(head.others, size=5, replace=False)
+    np.testing.assert_allclose(np.array(head.weight(mx.array(drawn)) @ h.T).T,
+                               np.array(target.lm_head(h)[:, mx.array(drawn)]), rtol=1e-4, atol=1e-4)
 
     config = draft_config(target, 2, 8, target.layer_ids, 7)
     drafter = Drafter(DrafterArgs.from_dict(config))
     feats = [target(mx.array(p + r)[None], target.make_cache(), last_logits_only=True)[1][0] for p, r in seqs]
     batch = make_batch(target, seqs, feats, np.random.default_rng(0), 4, 8, 7)
-    weights = position_weights(8)
-    full = block_loss(drafter, target, batch, weights, None).item()
-    everything = Head.of(target, [(list(range(target.vocab_size)), [])])
-    assert block_loss(drafter, target, batch, weights, everything).item() == pytest.approx(full, rel=1e-4)
-    assert block_loss(drafter, target, batch, weights, head).item() < full
+    labels, weights, rng = np.array(batch.labels), position_weights(8), np.random.default_rng(0)
+    full = block_loss(drafter, target, batch, weights).item()  # no columns: the whole head
 
-    # The sampled others stand for all the others: the loss with them is the full loss, nearly; without, lower.
-    kept_only = block_loss(drafter, target, batch, weights, head).item()
-    monkeypatch.setattr("dflash_mlx.training.objective.NEGATIVES", 64)  # a sample of the others, as on a real vocabulary
-    rng = np.random.default_rng(0)
-    estimates = []
-    for _ in range(8):
-        batch.negatives = head.sample(rng)
-        estimates.append(block_loss(drafter, target, batch, weights, head).item())
-    assert abs(np.mean(estimates) - full) < 0.25 * abs(kept_only - full)
-    drawn = rng.choice(head.others, size=5, replace=False)
-    np.testing.assert_allclose(np.array(head.weight(mx.array(drawn)) @ h.T).T,
-                               np.array(target.lm_head(h)[:, mx.array(drawn)]), rtol=1e-4, atol=1e-4)
+    def loss(labelled_with: int, negatives: int) -> float:
+        monkeypatch.setattr("dflash_mlx.training.objective.LABELLED_WITH", labelled_with)
+        monkeypatch.setattr("dflash_mlx.training.objective.NEGATIVES", negatives)
+        batch.columns = head.sample(rng, labels)
+        return block_loss(drafter, target, batch, weights).item()
+
+    everything = target.vocab_size
+    assert loss(everything, everything) == pytest.approx(full, rel=1e-4)
+    assert batch.columns.rows.shape[0] == target.vocab_size
+    own = loss(0, 0)
+    assert batch.columns.rows.shape[0] == len(np.unique(labels)) < len(ids) and own < full
+    estimates = [loss(24, 24) for _ in range(8)]
+    assert abs(np.mean(estimates) - full) < 0.25 * abs(own - full), (estimates, own, full)
 
 
 def test_built_in_prompts_mix_code_math_and_chat_and_leave_the_evaluation_sets_alone():

@@ -3,8 +3,8 @@
 Each step cuts many blocks [anchor token, MASK x (B-1)] out of a few responses and drafts all blocks
 of a sequence in one pass of the very ``Drafter`` inference uses (``drafter.Blocks``). Block position k
 predicts the token k after the anchor, weighted exp(-(k-1)/gamma) (acceptance stops at the first miss).
-The softmax runs over a sub-head (``Head``) rather than the whole vocabulary. The learning rate follows
-the share of training done: linear warmup, then cosine to 0.
+The softmax runs over a few columns of the head (``Head.sample``) rather than the whole vocabulary. The
+learning rate follows the share of training done: linear warmup, then cosine to 0.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Batch:
     embeddings: mx.array  # [S, N*B, H] the target's embeddings of the blocks
     anchors: np.ndarray  # [S, N] each block's first position
     labels: mx.array  # [S, N, B-1]
-    negatives: Optional[mx.array] = None  # the head rows sampled into this step's softmax (``Head``)
+    columns: Optional[Columns] = None  # the head columns this step's softmax runs over (None: the whole head)
 
     @property
     def tokens(self) -> int:
@@ -90,24 +90,37 @@ def make_batch(
     )
 
 
-NEGATIVES = 2048  # tokens outside the sub-head sampled into each step's softmax
+LABELLED_WITH = 1024  # tokens of the training text, besides a step's labels, sampled into each step's softmax
+NEGATIVES = 512  # tokens never in the training text sampled into each step's softmax
+
+
+@dataclass
+class Columns:
+    """The head columns of one step's softmax: the tokens its labels hold, then samples that stand for the rest."""
+
+    rows: mx.array  # [C, H] the head's rows
+    shift: mx.array  # [C] log(tokens a column stands for): 0 for the labels' own, log(pool / drawn) for a sample
+    labels: mx.array  # [S, N, B-1] each label's column
 
 
 @dataclass
 class Head:
-    """The target's LM head as the loss sees it: the tokens the training sequences hold, plus a sample of the rest.
+    """The target's LM head as the loss sees it: each step, the columns of its labels and a sample of the others.
 
-    The loss's cost is the vocabulary projection of every block position and its gradient (over
-    90% of a step on SmolLM2's 49k vocabulary). Labels are tokens the target wrote, so the softmax
-    runs over the tokens the sequences hold (a tenth of SmolLM2's vocabulary) and ``NEGATIVES`` others
-    drawn each step, whose sum stands for all the others (sampled softmax): without them nothing
-    would push the unseen tokens down, and the full head at inference drafts them (measured: first
-    positions 0% right after 25 steps, as against 4% with every token scored).
+    The vocabulary projection of every block position, its softmax and their gradients were most of a
+    step over SmolLM2's 49k tokens (exponentials run ~10 ns each on MLX's CPU backend). A step's labels
+    hold a few hundred tokens (~280 for ``make pair``'s 3,840 positions), so its softmax runs over those,
+    ``LABELLED_WITH`` more tokens of the training text (the likely competitors) and ``NEGATIVES`` tokens
+    it never holds, each sample shifted by log(pool / drawn) so that its mass estimates its whole pool's
+    (sampled softmax). Without the never-seen sample nothing would push those tokens down, and the full
+    head at inference drafts them (measured: first positions 0% right after 25 steps, against 4% with
+    every token scored).
     """
 
-    rows: mx.array  # [V', H] the head's weight rows (dequantized) for the kept tokens
-    lookup: np.ndarray  # token id -> its index in ``rows`` (-1: not kept)
-    others: np.ndarray  # the ids not kept
+    rows: mx.array  # [V', H] the head's weight rows (dequantized) for the tokens of the training text
+    lookup: np.ndarray  # token id -> its index in ``rows`` (-1: not in the training text)
+    kept: np.ndarray  # the ids in the training text, ascending
+    others: np.ndarray  # the ids not in it
     weight: Callable[[mx.array], mx.array]  # the head's rows for any ids, float32
 
     @classmethod
@@ -130,35 +143,36 @@ class Head:
         ids = np.unique(np.concatenate([np.asarray(p + r, dtype=np.int64) for p, r in sequences]))
         lookup = np.full(target.vocab_size, -1, dtype=np.int64)
         lookup[ids] = np.arange(len(ids))
-        return cls(rows=weight(mx.array(ids)), lookup=lookup, others=np.nonzero(lookup < 0)[0], weight=weight)
+        return cls(rows=weight(mx.array(ids)), lookup=lookup, kept=ids, others=np.nonzero(lookup < 0)[0],
+                   weight=weight)
 
-    def sample(self, rng: np.random.Generator) -> Optional[mx.array]:
-        """This step's negatives: the head's rows of ``NEGATIVES`` ids drawn from the others."""
-        if not len(self.others):
-            return None
-        return self.weight(mx.array(rng.choice(self.others, size=min(NEGATIVES, len(self.others)), replace=False)))
+    def sample(self, rng: np.random.Generator, labels: np.ndarray) -> Columns:
+        """This step's columns for ``labels`` [S, N, B-1] (token ids of the training text)."""
+        own = np.unique(labels)
+        rest = np.setdiff1d(self.kept, own, assume_unique=True)
+        rows, shift = [self.rows[mx.array(self.lookup[own])]], [np.zeros(len(own))]
+        for pool, size, fetch in ((rest, LABELLED_WITH, lambda i: self.rows[mx.array(self.lookup[i])]),
+                                  (self.others, NEGATIVES, lambda i: self.weight(mx.array(i)))):
+            drawn = min(size, len(pool))
+            if drawn:
+                rows.append(fetch(rng.choice(pool, size=drawn, replace=False)))
+                shift.append(np.full(drawn, math.log(len(pool) / drawn)))
+        return Columns(rows=mx.concatenate(rows), shift=mx.array(np.concatenate(shift), dtype=mx.float32),
+                       labels=mx.array(np.searchsorted(own, labels)))
 
-    def logits(self, h: mx.array, negatives: Optional[mx.array]) -> mx.array:
-        """The kept tokens' logits, then the negatives' shifted by log(others / sampled): their softmax mass
-        estimates the mass of all the others."""
-        kept = h @ self.rows.T
-        if negatives is None:
-            return kept
-        shift = math.log(len(self.others) / negatives.shape[0])
-        return mx.concatenate([kept, h @ negatives.T + shift], axis=-1)
 
-
-def block_loss(drafter: Drafter, target: Target, batch: Batch, weights: mx.array, head: Optional[Head]) -> mx.array:
+def block_loss(drafter: Drafter, target: Target, batch: Batch, weights: mx.array) -> mx.array:
     """Position-weighted cross-entropy of block positions 1..B-1 through the target's frozen LM head."""
     S, N, k = batch.labels.shape
     blocks = Blocks(batch.anchors, batch.features.shape[1], k + 1)
     h = drafter(batch.embeddings, batch.features, blocks)  # the inference modules, with training's masks
     h = h.reshape(S, N, k + 1, -1)[:, :, 1:]
-    if head is None:
-        logits, labels = target.lm_head(h.astype(target.dtype)), batch.labels
-    else:
-        logits, labels = head.logits(h, batch.negatives), mx.array(head.lookup[np.array(batch.labels)])
-    ce = nn.losses.cross_entropy(drafter.compute_logits(logits).astype(mx.float32), labels)
+    if batch.columns is None:
+        logits, labels = drafter.compute_logits(target.lm_head(h.astype(target.dtype))), batch.labels
+    else:  # the shift after the drafter's transforms (soft-capping): it counts tokens, it is no logit of theirs
+        c = batch.columns
+        logits, labels = drafter.compute_logits(h @ c.rows.T) + c.shift, c.labels
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels)
     return (ce * weights).sum(-1).mean() / weights.sum()
 
 

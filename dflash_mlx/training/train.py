@@ -338,7 +338,7 @@ class _Loop:
         rate = learning_rate(self.done(), self.lr)
         self.optimizer.learning_rate = rate
         if self.head is not None:
-            batch.negatives = self.head.sample(rng)
+            batch.columns = self.head.sample(rng, np.array(batch.labels))
         loss, grads = loss_and_grad(batch)
         grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
         self.optimizer.update(self.drafter, grads)
@@ -365,7 +365,7 @@ class _Loop:
         weights = position_weights(self.block_size)
         self.head = Head.of(self.target, self.sequences)
         loss_and_grad = nn.value_and_grad(self.drafter,
-                                          lambda batch: block_loss(self.drafter, self.target, batch, weights, self.head))
+                                          lambda batch: block_loss(self.drafter, self.target, batch, weights))
         good = self.snapshot()
         try:
             while self.done() < 1:
