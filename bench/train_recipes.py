@@ -40,6 +40,8 @@ RECIPES = {
     "small-lr3": (2, 16, 3e-3, 7.0, True),
     "small-rand": (2, 16, 3e-3, 7.0, False),
     "small-lr3-g3": (2, 16, 3e-3, 3.0, True),
+    "mid-lr3-g3": (4, 16, 3e-3, 3.0, True),
+    "base-lr3-g3": (8, 32, 3e-3, 3.0, True),
 }
 
 

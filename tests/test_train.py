@@ -207,6 +207,16 @@ def _weights(out: Path) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in mx.load(str(out / "model.safetensors")).items()}
 
 
+def test_the_loss_gamma_weighs_the_block_positions(workdir):
+    """One step from the same start on the same blocks: the loss is the position-weighted mean, so another gamma
+    gives another first loss; at block 8 the default is the published 4."""
+    common = dict(prompts=str(workdir / "prompts.jsonl"), eval_prompts=0, steps=1, **SMALL)
+    target = str(workdir / "target")
+    first = {g: train(target, str(workdir / f"gamma-{g}"), loss_gamma=g, **common).losses[0] for g in (None, 4.0, 1.0)}
+    assert first[None] == pytest.approx(first[4.0], rel=1e-6) and first[1.0] != pytest.approx(first[4.0], rel=1e-3)
+    assert json.loads((workdir / "gamma-1.0" / "checkpoint" / "state.json").read_text())["settings"]["loss_gamma"] == 1.0
+
+
 def test_resume_continues_exactly(workdir):
     """Resume restores step, weights and AdamW state exactly.
 
@@ -305,6 +315,9 @@ def _bad_target(root: Path, kind: str) -> str:
         ("budgets", "either steps or time_budget"),
         ("no-resume", "add --resume to continue it"),
         ("changed", "was trained with --block-size 8: resume with the same settings"),
+        ("changed-gamma", "was trained with the default --loss-gamma: resume with the same settings"),
+        ("gamma", "--loss-gamma must be positive, got 0"),
+        ("blocks", "--blocks must be >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_clear_error(case, message, workdir, trained):
@@ -327,11 +340,17 @@ def test_bad_input_is_one_clear_error(case, message, workdir, trained):
         kwargs["block_size"] = 1
     elif case == "budgets":
         kwargs["time_budget"] = 10.0
-    elif case in ("no-resume", "changed"):
+    elif case == "gamma":
+        kwargs["loss_gamma"] = 0.0
+    elif case == "blocks":
+        kwargs["anchors"] = 0
+    elif case in ("no-resume", "changed", "changed-gamma"):
         out = str(trained[0].output)
         kwargs.update(prompts=str(workdir / "prompts.jsonl"), eval_prompts=2)
         if case == "changed":
             kwargs.update(block_size=4, resume=True)
+        elif case == "changed-gamma":
+            kwargs.update(loss_gamma=3.0, resume=True)
     with pytest.raises(DFlashError) as info:
         train(target, out, **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)
@@ -354,7 +373,8 @@ def test_train_command(tmp_path, models_dir):
     resumed = CliRunner().invoke(app, args[:-4] + ["--steps", "8", "--block-size", "8", "--batch-size", "2", "--resume"])
     assert resumed.exit_code == 0, resumed.output
     assert "8 steps" in resumed.stdout
-    for bad, message in ((["--layers", "0"], "layers must be >= 1"), (["--time", "soon"], "--time takes a duration")):
+    for bad, message in ((["--layers", "0"], "layers must be >= 1"), (["--time", "soon"], "--time takes a duration"),
+                         (["--loss-gamma", "-1"], "--loss-gamma must be positive"), (["--blocks", "0"], "--blocks must")):
         r = CliRunner().invoke(app, ["train", str(models_dir / "qwen3"), "-o", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and message in r.stderr, r.output
 

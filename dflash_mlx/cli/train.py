@@ -31,6 +31,9 @@ def train(
     time_budget: Optional[str] = typer.Option(None, "--time", help="Training time instead of steps, e.g. 15m."),
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, cosine, 4% warmup)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
+    blocks: int = typer.Option(32, "--blocks", help="Blocks cut from each sequence a step."),
+    loss_gamma: Optional[float] = typer.Option(None, "--loss-gamma", help="Decay of the loss's weights over block "
+                                               "positions, exp(-(k-1)/gamma) \\[default: 7 at block 16, 4 at 8]."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
@@ -46,7 +49,8 @@ def train(
         try:
             result = run(target, out, prompts=prompts, prompt_count=prompt_count, response_tokens=reply_tokens,
                          layers=layers, block_size=block_size, target_layer_ids=ids,
-                         steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, resume=resume, progress=show)
+                         steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, anchors=blocks,
+                         loss_gamma=loss_gamma, resume=resume, progress=show)
         except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
             _training_interrupted(out)
     Console(highlight=False).print(training_summary(result, block_size), soft_wrap=True)

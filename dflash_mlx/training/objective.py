@@ -29,10 +29,11 @@ def loss_gamma(block_size: int) -> float:
     return float(np.interp(block_size, [8, 10, 16], [4.0, 5.0, 7.0]))
 
 
-def position_weights(block_size: int) -> mx.array:
-    """exp(-(k-1)/gamma) for k = 1..B-1: early positions matter most, as acceptance stops at the first miss."""
+def position_weights(block_size: int, gamma: Optional[float] = None) -> mx.array:
+    """exp(-(k-1)/gamma) for k = 1..B-1 (gamma None: ``loss_gamma``): early positions matter most, as acceptance
+    stops at the first miss."""
     k = mx.arange(1, block_size, dtype=mx.float32)
-    return mx.exp(-(k - 1) / loss_gamma(block_size))
+    return mx.exp(-(k - 1) / (loss_gamma(block_size) if gamma is None else gamma))
 
 
 def sample_anchors(rng: np.random.Generator, prompt_len: int, seq_len: int, block_size: int, n: int) -> np.ndarray:

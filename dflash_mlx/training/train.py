@@ -194,7 +194,7 @@ def evaluate(
 def _check_args(
     layers: int, block_size: int, target_layer_ids: Optional[list[int]], steps: Optional[int],
     time_budget: Optional[float], lr: float, batch_size: int, anchors: int, response_tokens: int,
-    eval_prompts: int, checkpoint_every: int,
+    eval_prompts: int, checkpoint_every: int, loss_gamma: Optional[float],
 ) -> Optional[int]:
     """Validate the settings; returns the step budget (200 when neither budget is given)."""
     if steps is not None and time_budget is not None:
@@ -212,7 +212,7 @@ def _check_args(
         raise DFlashError(f"--block-size must be >= 2 (an anchor and at least one token to draft), got {block_size}")
     if target_layer_ids is not None and not target_layer_ids:
         raise DFlashError("--target-layer-ids is empty: give at least one target layer")
-    for name, value in (("--batch-size", batch_size), ("anchors", anchors), ("checkpoint_every", checkpoint_every)):
+    for name, value in (("--batch-size", batch_size), ("--blocks", anchors), ("checkpoint_every", checkpoint_every)):
         if value < 1:
             raise DFlashError(f"{name} must be >= 1, got {value}")
     if response_tokens < block_size:
@@ -221,11 +221,13 @@ def _check_args(
         raise DFlashError(f"eval_prompts must be >= 0, got {eval_prompts}")
     if not lr > 0:
         raise DFlashError(f"--lr must be positive, got {lr}")
+    if loss_gamma is not None and not loss_gamma > 0:
+        raise DFlashError(f"--loss-gamma must be positive, got {loss_gamma}")
     return steps
 
 
 FLAGS = {"layers": "--layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
-         "batch_size": "--batch-size", "lr": "--lr"}
+         "batch_size": "--batch-size", "lr": "--lr", "anchors": "--blocks", "loss_gamma": "--loss-gamma"}
 
 
 def _setting(name: str, value: Any) -> str:
@@ -234,6 +236,8 @@ def _setting(name: str, value: Any) -> str:
         return "other --prompts"
     if name == "target":
         return "another target"
+    if name in FLAGS and value is None:
+        return f"the default {FLAGS[name]}"
     if name in FLAGS:
         return f"{FLAGS[name]} {','.join(map(str, value)) if isinstance(value, list) else value}"
     return f"{name}={value!r}"
@@ -316,6 +320,7 @@ class _Loop:
     anchors: int
     block_size: int
     lr: float
+    loss_gamma: Optional[float]
     steps: Optional[int]
     time_budget: Optional[float]
     head: Optional[Head] = None  # the loss's head (``run`` sets it)
@@ -362,7 +367,7 @@ class _Loop:
 
         Ctrl-C mid-step still checkpoints the last completed step, so an interruption loses nothing.
         """
-        weights = position_weights(self.block_size)
+        weights = position_weights(self.block_size, self.loss_gamma)
         self.head = Head.of(self.target, self.sequences)
         loss_and_grad = nn.value_and_grad(self.drafter,
                                           lambda batch: block_loss(self.drafter, self.target, batch, weights))
@@ -419,6 +424,7 @@ def train(
     lr: float = 6e-4,
     batch_size: int = 4,
     anchors: int = 32,
+    loss_gamma: Optional[float] = None,
     response_tokens: int = 128,
     resume: bool = False,
     seed: int = 0,
@@ -428,8 +434,10 @@ def train(
 ) -> TrainResult:
     """Train a DFlash drafter for ``target`` (a folder or Hub repo id) into the folder ``out``.
 
-    ``steps`` or ``time_budget`` (seconds of training, data generation and evaluation not
-    counted) is the budget of the whole run, resumes included. Every ``checkpoint_every``
+    A step cuts ``anchors`` blocks from each of ``batch_size`` sequences and weighs block position
+    k by exp(-(k-1)/``loss_gamma``) (None: the published 4-7 by block size). ``steps`` or
+    ``time_budget`` (seconds of training, data generation and evaluation not counted) is the
+    budget of the whole run, resumes included. Every ``checkpoint_every``
     steps and at the end, ``out/checkpoint`` is rewritten; ``resume=True`` continues it with
     the settings it was made with (changing any but the budget is an error). ``progress``
     receives dicts with a ``phase``: "generate" (done, total), "train" (step, steps, progress,
@@ -437,7 +445,7 @@ def train(
     fields).
     """
     steps = _check_args(layers, block_size, target_layer_ids, steps, time_budget, lr, batch_size, anchors,
-                        response_tokens, eval_prompts, checkpoint_every)
+                        response_tokens, eval_prompts, checkpoint_every, loss_gamma)
     if prompts is None and prompt_count < 1:
         raise DFlashError(f"--prompt-count must be >= 1, got {prompt_count}")
     report = progress or (lambda info: None)
@@ -449,7 +457,7 @@ def train(
     tgt = _feature_target(model, layers, target_layer_ids)
     key = data_key(prompt_list, eval_prompts, seed, response_tokens, tgt)
     settings = dict(key, layers=layers, block_size=block_size, target_layer_ids=tgt.layer_ids,
-                    batch_size=batch_size, anchors=anchors, lr=lr)
+                    batch_size=batch_size, anchors=anchors, lr=lr, loss_gamma=loss_gamma)
     saved = _saved_state(out_dir, settings) if resume else None
 
     train_prompts, held_out = split_prompts(prompt_list, eval_prompts, seed)
@@ -464,6 +472,7 @@ def train(
     drafter, optimizer, state = _start(tgt, config, checkpoint, saved is not None, settings, seed, lr)
     loop = _Loop(target=tgt, drafter=drafter, optimizer=optimizer, state=state, sequences=sequences,
                  features=features, checkpoint=checkpoint, checkpoint_every=checkpoint_every, seed=seed, batch_size=batch_size,
-                 anchors=anchors, block_size=block_size, lr=lr, steps=steps, time_budget=time_budget)
+                 anchors=anchors, block_size=block_size, lr=lr, loss_gamma=loss_gamma, steps=steps,
+                 time_budget=time_budget)
     loop.run(report)
     return _finish(loop, tokenizer, out_dir, data["eval"][:eval_prompts], response_tokens, report)
