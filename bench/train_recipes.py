@@ -6,7 +6,10 @@ stored (bench/.cache/smollm2/draft: features.npy, data.json), with the training 
 have had accepted, teacher-forced, on 8 blocks of each of the 24 last sequences, which it never trains
 on. No decoding: a recipe's learning speed, not its speedup.
 
-    python bench/train_recipes.py [--minutes 8] [--recipes base,small,small-lr3,small-lr3-g3]
+``--target-layers`` feeds the drafter other target layers than make pair's 14 and 29: their features are
+computed once into bench/.cache/smollm2/features-<layers>/ (``training.features``).
+
+    python bench/train_recipes.py [--minutes 8] [--recipes base,small,small-lr3,small-lr3-g3] [--target-layers 1,8,14,20,27]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dflash_mlx.models.target import Target  # noqa: E402
 from dflash_mlx.training import objective  # noqa: E402
 from dflash_mlx.training.data import training_sequences  # noqa: E402
 from dflash_mlx.training.drafter_init import draft_config, init_from_target, pick_mask_token  # noqa: E402
-from dflash_mlx.training.features import FeatureStore  # noqa: E402
+from dflash_mlx.training.features import FeatureStore, feature_store  # noqa: E402
 
 PAIR = CACHE / "smollm2"
 LAYERS = [14, 29]  # make pair's feature layers
@@ -47,10 +50,12 @@ RECIPES = {
 
 def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, minutes: float, every: float) -> None:
     batch, anchors, lr, gamma, from_target = RECIPES[name]
+    name = name if target.layer_ids == LAYERS else f"{name} L{','.join(map(str, target.layer_ids))}"
     train = list(range(len(sequences) - HELD_BACK))
     held = list(range(len(sequences) - HELD_BACK, len(sequences)))
     mx.random.seed(0)
-    drafter = Drafter(DrafterArgs.from_dict(draft_config(target, 1, 16, LAYERS, pick_mask_token(tokenizer, target))))
+    drafter = Drafter(DrafterArgs.from_dict(draft_config(target, 1, 16, target.layer_ids,
+                                                         pick_mask_token(tokenizer, target))))
     if from_target:
         init_from_target(drafter, target)
     optimizer = optim.AdamW(learning_rate=lr)
@@ -95,7 +100,10 @@ def main() -> None:
     parser.add_argument("--recipes", default="base,small-lr3,small-rand,small-lr3-g3",
                         help=f"comma-separated, of: {', '.join(RECIPES)}")
     parser.add_argument("--eval-every", type=float, default=90.0, help="seconds of step time between measurements")
+    parser.add_argument("--target-layers", default=",".join(map(str, LAYERS)),
+                        help="comma-separated target layers feeding the drafter")
     args = parser.parse_args()
+    layers = [int(x) for x in args.target_layers.split(",")]
     names = args.recipes.split(",")
     if unknown := [n for n in names if n not in RECIPES]:
         parser.error(f"unknown recipe {', '.join(unknown)}")
@@ -103,10 +111,17 @@ def main() -> None:
         parser.error("no stored features: run `make pair` first")
     print_machine()
     model, tokenizer = load_target(PAIR / "target")
-    target = Target(model, LAYERS)
+    target = Target(model, layers)
     sequences = training_sequences(json.loads((PAIR / "draft" / "data.json").read_text()), 16)
     lengths = [len(p) + len(r) for p, r in sequences]
-    store = FeatureStore(np.load(PAIR / "draft" / "features.npy", mmap_mode="r"), lengths)
+    if layers == LAYERS:
+        store = FeatureStore(np.load(PAIR / "draft" / "features.npy", mmap_mode="r"), lengths)
+    else:
+        folder = PAIR / f"features-{'-'.join(map(str, layers))}"
+        folder.mkdir(exist_ok=True)
+        tic = time.perf_counter()
+        store = feature_store(folder, target, sequences, {"pair": "smollm2"}, lambda e: None)
+        print(f"features of layers {layers}: {time.perf_counter() - tic:.0f} s", flush=True)
     for name in names:
         run(name, target, tokenizer, sequences, store, args.minutes, args.eval_every)
 

@@ -218,8 +218,8 @@ class Attention(nn.Module):
 
         Each block is rotated from its own anchor. Its scores are taken against the context and against its own
         rows apart, then softmaxed together: one mask over [context ; every block of the sequence] computed
-        N*B scores per row for the B it keeps, and softmax's exponentials are most of a step on a CPU (1,573
-        positions/s on the real pair before, ``bench/train_speed.py``).
+        N*B scores per row for the B it keeps, and softmax's exponentials are most of a step on a CPU
+        (``bench/train_speed.py`` times both).
         """
         S, T, H = x.shape
         n, b = T // blocks.block_size, blocks.block_size
