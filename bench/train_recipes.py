@@ -59,7 +59,7 @@ def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, mi
     if from_target:
         init_from_target(drafter, target)
     optimizer = optim.AdamW(learning_rate=lr)
-    weights = mx.exp(-mx.arange(15, dtype=mx.float32) / gamma)
+    weights = objective.position_weights(16, gamma)
     head = objective.Head.of(target, [sequences[i] for i in train])
     loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights))
     check = objective.make_batch(target, [sequences[i] for i in held], [store[i] for i in held],
@@ -103,7 +103,10 @@ def main() -> None:
     parser.add_argument("--target-layers", default=",".join(map(str, LAYERS)),
                         help="comma-separated target layers feeding the drafter")
     args = parser.parse_args()
-    layers = [int(x) for x in args.target_layers.split(",")]
+    try:
+        layers = [int(x) for x in args.target_layers.split(",")]
+    except ValueError:
+        parser.error(f"--target-layers takes comma-separated layer numbers, got {args.target_layers!r}")
     names = args.recipes.split(",")
     if unknown := [n for n in names if n not in RECIPES]:
         parser.error(f"unknown recipe {', '.join(unknown)}")

@@ -162,7 +162,8 @@ class DFlashCache:
         """
         self.abandon()
         self._owner = lease = object()
-        self._rewind(min(common_prefix(self.tokens, ids), len(ids) - 1))  # at least the last prompt token runs: its logits start decoding
+        # At least the last prompt token runs: its logits start decoding.
+        self._rewind(min(common_prefix(self.tokens, ids), len(ids) - 1))
         return len(self.tokens), lease
 
     def _rewind(self, n: int) -> None:
