@@ -147,6 +147,8 @@ def test_built_in_prompts_mix_code_math_and_chat_and_leave_the_evaluation_sets_a
     except ImportError:
         humaneval = set()
     assert not set(prompts) & humaneval
+    widest = synthetic_prompts(2500, seed=0)  # enough for make pair's 1,500 with room to spare
+    assert len(widest) == len(set(widest)) == 2500 and not set(widest) & (_evaluation_prompts() | humaneval)
 
 
 def test_replies_already_generated_are_kept_when_prompts_are_added(target_path, tmp_path):
