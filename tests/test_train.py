@@ -184,7 +184,7 @@ def test_memorised_replies_are_drafted_back(workdir):
     leak up to the anchor can still be memorised around; the forward-equality test catches it.)"""
     prompts = workdir / "few.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS[:5]) + "\n")
-    result = train(str(workdir / "target"), str(workdir / "overfit"), prompts=str(prompts), steps=80, lr=3e-3,
+    result = train(str(workdir / "target"), str(workdir / "overfit"), prompts=str(prompts), steps=80, lr=3e-3, batch_size=4,
                    block_size=4, anchors=16, response_tokens=24, eval_prompts=0)
     target, drafter, tokenizer = load(str(result.output), str(workdir / "target"))
     data = json.loads((result.output / "data.json").read_text())

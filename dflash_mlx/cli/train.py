@@ -29,9 +29,9 @@ def train(
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps \\[default: 200]."),
     time_budget: Optional[str] = typer.Option(None, "--time", help="Training time instead of steps, e.g. 15m."),
-    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, cosine, 4% warmup)."),
-    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per step."),
-    blocks: int = typer.Option(32, "--blocks", help="Blocks cut from each sequence a step."),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (AdamW, cosine, 4% warmup)."),
+    batch_size: int = typer.Option(2, "--batch-size", help="Sequences per step."),
+    blocks: int = typer.Option(16, "--blocks", help="Blocks cut from each sequence a step."),
     loss_gamma: Optional[float] = typer.Option(None, "--loss-gamma", help="Decay of the loss's weights over block "
                                                "positions, exp(-(k-1)/gamma) \\[default: 7 at block 16, 4 at 8]."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
