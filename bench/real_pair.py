@@ -77,12 +77,17 @@ def build(args: argparse.Namespace) -> Path:
         print(f"converting {gguf} (float32) ...", flush=True)
         convert(str(gguf), str(target), dtype="float32", force=target.exists())
     tic = time.perf_counter()
+    began: dict[str, float] = {}  # when each phase's first item was done
+    took: dict[str, float] = {}  # seconds from it to the last
 
     def show(e: dict) -> None:
         if e["phase"] == "train" and (e["step"] % 1000 == 0 or e["step"] == 1):
             print(f"  step {e['step']}: loss {e['loss']:.3f}, {e['tokens_per_s']:.0f} positions/s, "
                   f"{e['elapsed'] / 60:.1f} min", flush=True)
         elif e["phase"] in ("generate", "features", "eval") and e["done"] in (1, e["total"]):
+            began.setdefault(e["phase"], time.perf_counter())
+            if e["done"] == e["total"]:
+                took[e["phase"]] = time.perf_counter() - began.pop(e["phase"])
             print(f"  {e['phase']} {e['done']}/{e['total']}", flush=True)
 
     recipe = dict(RECIPE, layers=args.layers) if args.layers else RECIPE
@@ -94,6 +99,10 @@ def build(args: argparse.Namespace) -> Path:
         print(f"training to {minutes:g} minutes ...", flush=True)
         result = train(str(target), str(draft), time_budget=minutes * 60, resume=saved, progress=show, **recipe)
         curve.append((minutes, result.steps, result.tau, result.looping, result.evaluated))
+        if "generate" in took:  # this run wrote the replies
+            tokens = sum(len(s["response"]) for s in json.loads((draft / "data.json").read_text())["train"])
+            seconds = took.pop("generate")
+            print(f"replies: {tokens:,} tokens in {seconds / 60:.1f} min ({tokens / seconds:.0f} tok/s)", flush=True)
         print(f"drafter at {minutes:g} min: {result.steps} steps, held-out tau {result.tau or 0:.2f} at block 16 "
               f"({result.evaluated} prompts, {result.looping} looping), "
               f"{(time.perf_counter() - tic) / 60:.1f} min end to end", flush=True)
