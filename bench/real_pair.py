@@ -99,10 +99,9 @@ def build(args: argparse.Namespace) -> Path:
         print(f"training to {minutes:g} minutes ...", flush=True)
         result = train(str(target), str(draft), time_budget=minutes * 60, resume=saved, progress=show, **recipe)
         curve.append((minutes, result.steps, result.tau, result.looping, result.evaluated))
-        if "generate" in took:  # this run wrote the replies
+        if "generate" in took:  # this run wrote replies (all of them, unless an earlier run left some)
             tokens = sum(len(s["response"]) for s in json.loads((draft / "data.json").read_text())["train"])
-            seconds = took.pop("generate")
-            print(f"replies: {tokens:,} tokens in {seconds / 60:.1f} min ({tokens / seconds:.0f} tok/s)", flush=True)
+            print(f"replies: {tokens:,} tokens in all; generating took {took.pop('generate') / 60:.1f} min", flush=True)
         print(f"drafter at {minutes:g} min: {result.steps} steps, held-out tau {result.tau or 0:.2f} at block 16 "
               f"({result.evaluated} prompts, {result.looping} looping), "
               f"{(time.perf_counter() - tic) / 60:.1f} min end to end", flush=True)
