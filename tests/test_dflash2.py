@@ -580,7 +580,8 @@ def test_bench_with_a_dflash2_drafter(d2, d2_dir, tmp_path, count_proposals, blo
         assert r["identical"] is True
         hist, depths = r["acceptance_histogram"], r["depth_histogram"]
         assert r["tau"] == pytest.approx(sum((k + 1) * c for k, c in enumerate(hist)) / sum(hist))
-        assert sum(depths) == sum(hist) == r["dflash"]["cycles"] and len(depths) <= BLOCK
+        assert sum(depths) == sum(hist) == r["dflash"]["cycles"]
+        assert len(depths) <= (BLOCK if block is not None else max(BLOCK, 16))  # copies may fill a verify of 16
         if block is not None:  # full blocks, but for the last cycles, which the token budget cuts short
             assert depths[BLOCK - 1] >= r["dflash"]["cycles"] - (BLOCK - 1)
     assert "tau median" in result.stdout

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import MAX_TOKENS, PROMPTS
 from helpers import plain_greedy
 
-from dflash_mlx import generate, load, make_cache
+from dflash_mlx import DFlashError, generate, load, make_cache
 from dflash_mlx.decode.policy import COPY, DRAFTER, Plan
 from dflash_mlx.decode.repeats import Repeats
 
@@ -45,6 +47,30 @@ def test_long_accepted_runs_stay_lossless(looping, block_size):
     out = generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, block_size=block_size, eos_token_ids=[])
     assert out.tokens == ref
     assert out.tau > 1.5 and max(out.acceptance) == block_size - 1
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_copies_fill_a_verify_beyond_a_small_drafters_block(looping_dir, tmp_path, batched):
+    """A drafter trained for blocks of 8 drafts at most 7 tokens, while copies fill the default verify of 16 (edits
+    and loops keep their long copies); the output is the target's own."""
+    from dflash_mlx import batch_generate
+    from dflash_mlx.models import fixtures
+
+    config = json.loads((looping_dir / "target" / "config.json").read_text())
+    fixtures.write_drafter(tmp_path / "b8", fixtures.drafter_config(config, block_size=8))
+    target, drafter, tokenizer = load(str(tmp_path / "b8"), str(looping_dir / "target"))
+    prompts = [tokenizer.encode("hello world"), tokenizer.encode("The quick brown fox")]
+    if batched:
+        results = batch_generate(target, drafter, tokenizer, prompts, max_tokens=MAX_TOKENS, eos_token_ids=[])
+    else:
+        results = [generate(target, drafter, tokenizer, ids, max_tokens=MAX_TOKENS, eos_token_ids=[]) for ids in prompts]
+    cycles = [cycle for r in results for cycle in zip(r.drafted, r.sources)]
+    for ids, result in zip(prompts, results):
+        assert result.tokens == plain_greedy(target.model, ids, MAX_TOKENS)
+    assert max(k for k, source in cycles if source == DRAFTER) <= 7
+    assert max(k for k, source in cycles if source == COPY) > 7
+    with pytest.raises(DFlashError, match=r"larger than the block this drafter was trained for \(8\): use 16 or"):
+        generate(target, drafter, tokenizer, prompts[0], max_tokens=8, block_size=17)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 13, 31, 50])

@@ -76,6 +76,18 @@ def test_long_drafts_when_acceptance_is_high():
     assert np.median(chosen[50:]) >= 12, chosen
 
 
+def test_a_drafter_of_a_smaller_block_warms_up_and_drafts_within_it():
+    """A drafter trained for blocks of 8 under a verify block of 16 (copies may fill it): the warm-up's full block is
+    the drafter's (else it would ask for 15 forever and never time a plain step), and the drafter is planned no
+    deeper than 7 however well it does, while its expected tokens stay flat beyond."""
+    world = World(plain=0.02, drafter=0.004, per_token=0.0004, alpha=0.92)
+    policy = AdaptiveDepth(15, draft_depth=7)
+    chosen = run(policy, world, 200)
+    assert not policy.warming_up and max(chosen) == 7 and np.median(chosen[50:]) == 7, chosen
+    expected = policy.expected(Plan(7))
+    assert len(expected) == 16 and expected[8:] == [expected[7]] * 8
+
+
 def test_intermediate_depth_matches_the_optimum():
     """Moderate acceptance and a costly verify: the best depth is in between, and the policy finds it."""
     world = World(plain=0.02, drafter=0.006, per_token=0.004, alpha=0.7)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 TARGET = typer.Option(None, "--target", "-t", help="Target: repo id or folder (original, converted or quantized).")
 MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", help="Most tokens to generate (per reply).")
-BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle \\[default: adaptive, up to the drafter's block].")
+BLOCK_SIZE = typer.Option(None, "--block-size", "-b", help="Draft a full block of N every cycle \\[default: adaptive, up to the drafter's block; copies up to 16].")
 WINDOW = typer.Option(None, "--window", "-w", help="Attend to the last N positions only (bounded memory).")
 SINKS = typer.Option(0, "--sinks", help="With --window: first positions that are never evicted.")
 DRAFT_WINDOW = typer.Option(None, "--draft-window", help="The drafter attends to the last N context positions, the "

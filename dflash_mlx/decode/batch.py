@@ -125,20 +125,22 @@ class BatchPlanner:
     max_depth: int = 15
     min_probe: int = 8
     max_backoff: int = 256
+    draft_depth: Optional[int] = None  # the deepest draft the drafter makes (None: max_depth): its warm-up's full block
     costs: CycleCosts = field(init=False)
     _wait: int = 0  # plain cycles until the next probe
     _backoff: int = 0
     _probe_against: Optional[float] = None  # the expected tokens per second of a plain cycle, while probing
 
     def __post_init__(self) -> None:
-        self.costs = CycleCosts(self.max_depth)
+        self.costs = CycleCosts(self.max_depth if self.draft_depth is None else min(self.draft_depth, self.max_depth))
         self._wait = self._backoff = self.min_probe
 
     def depth(self, expected: Sequence[Sequence[float]]) -> int:
         """The next cycle's depth, given each adaptive row's expected tokens per depth (of the source it plans)."""
         if not self.costs.ready:
             return self.costs.missing()[0]
-        rates = [sum(e[k] for e in expected) / self.costs.predict(k) for k in range(self.max_depth + 1)]
+        deepest = min(self.max_depth, *(len(e) - 1 for e in expected))  # the rows' blocks may be smaller
+        rates = [sum(e[k] for e in expected) / self.costs.predict(k) for k in range(deepest + 1)]
         best = max(range(len(rates)), key=rates.__getitem__)
         if best > 0:
             self._wait = self._backoff = self.min_probe
@@ -172,8 +174,9 @@ class BatchPlanner:
         out = list(plans)
         for i in adaptive:  # a planned copy the history does not offer falls back to the row's own drafter plan:
             fallback = min(plans[i].fallback, k) if plans[i].source == COPY else k  # k was priced on the copy
-            out[i] = plans[i].replace(depth=k, fallback=fallback) if k else plans[i].replace(
-                depth=0, source=DRAFTER, fallback=0)
+            deepest = k if plans[i].source == COPY else min(k, policies[i].draft_depth)  # a drafter drafts its block
+            out[i] = plans[i].replace(depth=deepest, fallback=min(fallback, policies[i].draft_depth)) if k else \
+                plans[i].replace(depth=0, source=DRAFTER, fallback=0)
         return out
 
 
@@ -183,7 +186,7 @@ _planners = PerPair()
 def batch_planner(target: Target, drafter: Any) -> BatchPlanner:
     """The batch planner of this loaded pair, shared by its batches in this process, as ``adaptive_policy`` is by
     its generations: the batch's cycle costs it measured (a full block of every row the dearest) carry over."""
-    return _planners.get(target, drafter, None, BatchPlanner)
+    return _planners.get(target, drafter, None, lambda: BatchPlanner(draft_depth=drafter.block_size - 1))
 
 
 @dataclass

@@ -260,12 +260,15 @@ class Row:
         return self.capped(self.policy.plan(self.cache.tokens), emitted)
 
     def capped(self, plan: Plan, emitted: Optional[int] = None) -> Plan:
-        """``plan`` within the block, what is left of the budget after ``emitted`` tokens and the cache's room."""
+        """``plan`` within the block (the drafter's own, for its drafts: a copy may fill a larger verify), what is
+        left of the budget after ``emitted`` tokens and the cache's room."""
         emitted = self.emitted if emitted is None else emitted
         cap = min(self.cache.block_size - 1, self.max_tokens - emitted - 1)
         room = self.cache.room()  # a block never straddles the point where the KV cache turns quantized
         cap = cap if room is None else min(cap, room - 1)
-        return plan.replace(depth=max(0, min(plan.depth, cap)), fallback=max(0, min(plan.fallback, cap)))
+        drafts = min(cap, self.drafter.block_size - 1)
+        return plan.replace(depth=max(0, min(plan.depth, cap if plan.source == COPY else drafts)),
+                            fallback=max(0, min(plan.fallback, drafts)))
 
     def draft(self, plan: Plan, last: mx.array, last_id: Optional[int]) -> _Drafted:
         """The cycle's input after ``last``; ``last_id`` is its value, None while it is still lazy (a pipelined

@@ -206,6 +206,8 @@ class AdaptiveDepth:
     max_depth: int
     copies: bool = True
     drafter: bool = True  # False: a target loaded alone, which decodes plainly or copies
+    draft_depth: Optional[int] = None  # the deepest draft the drafter makes (its block - 1; None: max_depth): copies
+    # go deeper where the verify block is larger than the drafter's (a drafter trained for blocks of 8)
     probe_budget: float = 0.005
     min_probe: int = 8
     stale: float = 0.995
@@ -229,9 +231,10 @@ class AdaptiveDepth:
     _timed: bool = False  # whether the next cycle's seconds are its depth's (not a generation's first cycle)
 
     def __post_init__(self) -> None:
+        self.draft_depth = self.max_depth if self.draft_depth is None else min(self.draft_depth, self.max_depth)
         self.by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
         self.copy_by_repeat = [Acceptance(self.max_depth) for _ in range(3)]
-        self.costs = CycleCosts(self.max_depth, drafter=self.drafter)
+        self.costs = CycleCosts(self.draft_depth, drafter=self.drafter)  # its warm-up's full block is the drafter's
         self.spans = {}
         self.probes = ProbeSchedule(self.probe_budget, self.min_probe, self.memory, self.prompt_memory, self.min_paid)
         self.retries = CopyRetries(self.min_probe)
@@ -243,16 +246,22 @@ class AdaptiveDepth:
         return not self.costs.ready
 
     def expected(self, plan: Plan) -> list[float]:
-        """E[tokens of a cycle drafting k from the plan's source], k = 0..max_depth, where the plan was made."""
-        by_repeat = self.copy_by_repeat if plan.source == COPY else self.by_repeat
-        return by_repeat[_bucket(plan)].expected_tokens()
+        """E[tokens of a cycle drafting k from the plan's source], k = 0..max_depth, where the plan was made: the
+        drafter's held beyond ``draft_depth``, which it drafts when asked for more."""
+        if plan.source == COPY:
+            return self.copy_by_repeat[_bucket(plan)].expected_tokens()
+        return self._drafted(self.by_repeat[_bucket(plan)].expected_tokens())
+
+    def _drafted(self, expected: list[float]) -> list[float]:
+        return expected[: self.draft_depth + 1] + [expected[self.draft_depth]] * (self.max_depth - self.draft_depth)
 
     def _rates(self, bucket: int) -> list[float]:
         """Expected tokens per second of a cycle drafting k = 0..max_depth."""
         assert self.seconds is not None
         if not self.drafter:  # nothing drafts: plain steps are the drafter's plan
             return [1 / self.seconds[0]] + [0.0] * self.max_depth
-        return [e / t for e, t in zip(self.by_repeat[bucket].expected_tokens(), self.seconds)]
+        rates = [e / t for e, t in zip(self.by_repeat[bucket].expected_tokens(), self.seconds)]
+        return rates[: self.draft_depth + 1] + [0.0] * (self.max_depth - self.draft_depth)
 
     def _copy_rates(self, bucket: int) -> list[float]:
         """Expected tokens per second of a cycle copying k = 0..max_depth."""
@@ -281,7 +290,7 @@ class AdaptiveDepth:
 
     def best(self, bucket: int = 0) -> int:
         """The depth with the most expected tokens per second under the current estimates."""
-        return self.max_depth if self.warming_up else self._argmax(self._rates(bucket))
+        return self.draft_depth if self.warming_up else self._argmax(self._rates(bucket))
 
     def probe_interval(self, depth: int, bucket: int = 0) -> int:
         """Plain cycles between probes at ``depth`` (``ProbeSchedule.interval``).
@@ -345,7 +354,7 @@ class AdaptiveDepth:
         if why is not None and why.schedule is not None:  # the drafter's plan ran: its schedule with it
             self.probes.settle(why.schedule)
         probing = drafted > 0 and not self.warming_up and self.best(bucket) == 0
-        self.probes.answered(drafted, accepted, probing, self.max_depth)
+        self.probes.answered(drafted, accepted, probing, self.draft_depth)
         if drafted:
             self.by_repeat[bucket].update(drafted, accepted)
         else:
@@ -412,4 +421,5 @@ def adaptive_policy(target: Any, drafter: Any, windows: tuple[Optional[int], int
     group = getattr(target, "group", None)
     agree = None if group is None else functools.partial(from_main, g=group)
     return _shared.get(target, drafter, (windows, block_size, copies, drafts),  # windows: the target's and drafter's
-                       lambda: AdaptiveDepth(block_size - 1, copies=copies, drafter=drafts, agree=agree))
+                       lambda: AdaptiveDepth(block_size - 1, copies=copies, drafter=drafts, agree=agree,
+                                             draft_depth=min(block_size, drafter.block_size) - 1))

@@ -23,6 +23,7 @@ from ..models.caches import (
     check_kv,
     check_window,
     check_window_fits,
+    copy_block,
 )
 from ..sampling import Sampling
 from .policy import AUTO, check_source
@@ -38,7 +39,7 @@ class CacheLayout:
 
     window: Optional[int] = None  # full-attention layers and the drafter's context keep the last `window` positions
     sinks: int = 0  # ... and, with a window, these first ones
-    block_size: Optional[int] = None  # positions a verify takes at most; None: the drafter's block
+    block_size: Optional[int] = None  # positions a verify takes at most; None: ``caches.copy_block``
     kv: Optional[KVQuantization] = None  # the target's KV cache quantized (--kv-bits), from kv.start tokens
     # The drafter's context window (--draft-window): it attends to the last ``draft_window`` context positions, the
     # target to all (or its ``window``). None: the drafter's own default; FULL_CONTEXT (0): all of them.
@@ -46,7 +47,7 @@ class CacheLayout:
 
     def of_pair(self, target: Any, drafter: Any) -> CacheLayout:
         """This layout checked against the pair, its block size and drafter window resolved."""
-        block_size = drafter.block_size if self.block_size is None else self.block_size
+        block_size = copy_block(drafter) if self.block_size is None else self.block_size
         check_block_size(block_size, drafter)
         check_window(self.window, self.sinks, block_size)
         check_window_fits(self.window, target)

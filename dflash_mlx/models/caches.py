@@ -77,13 +77,22 @@ def check_draft_window(draft_window: Optional[int], block_size: int = 1) -> None
                           "or 0 for the whole context")
 
 
+COPY_BLOCK = 16  # a verify block copy drafts may fill beyond the block of a drafter trained for fewer positions
+
+
+def copy_block(drafter: Any) -> int:
+    """The default verify block: the drafter's, or ``COPY_BLOCK`` where that is larger. The drafter drafts no deeper
+    than its own block (beyond it, it would draft masks it never learnt); copies fill the rest."""
+    return max(drafter.block_size, COPY_BLOCK)
+
+
 def check_block_size(block_size: int, drafter: Any) -> None:
-    """A block of 1 up to the one the drafter was trained for: beyond it, it drafts masks it never learnt."""
+    """A block of 1 up to the drafter's, or up to ``COPY_BLOCK`` (the drafter drafts its own, copies fill it)."""
     if not isinstance(block_size, int) or block_size < 1:
         raise DFlashError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if block_size > drafter.block_size:
+    if block_size > copy_block(drafter):
         raise DFlashError(f"block size {block_size} is larger than the block this drafter was trained for "
-                          f"({drafter.block_size}): use {drafter.block_size} or less")
+                          f"({drafter.block_size}): use {copy_block(drafter)} or less")
 
 
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
