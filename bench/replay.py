@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,15 +31,15 @@ from dflash_mlx.decode.policy import AdaptiveDepth
 from dflash_mlx.decode.repeats import Repeats
 
 
-def _with(**changes) -> Callable[[int], AdaptiveDepth]:
+def _with(**changes) -> Callable[[Sequence[replay.Trace]], AdaptiveDepth]:
     """The default policy with some of its parts changed (``acceptance``: Acceptance's fields; ``repeats``)."""
     acceptance = changes.pop("acceptance", {})
     repeats = changes.pop("repeats", None)
 
-    def make(depth: int) -> AdaptiveDepth:
-        policy = AdaptiveDepth(depth, **changes)
+    def make(recorded: Sequence[replay.Trace]) -> AdaptiveDepth:
+        policy = replay.adaptive(recorded, **changes)
         if acceptance:
-            policy.by_repeat = [Acceptance(depth, **acceptance) for _ in policy.by_repeat]
+            policy.by_repeat = [Acceptance(policy.max_depth, **acceptance) for _ in policy.by_repeat]
         if repeats is not None:
             policy.repeats = repeats
         return policy
@@ -48,7 +48,7 @@ def _with(**changes) -> Callable[[int], AdaptiveDepth]:
 
 
 # Each tunable of the default policy, removed (or, for a bare number, halved and doubled): what it is worth.
-ABLATIONS: dict[str, Callable[[int], AdaptiveDepth]] = {
+ABLATIONS: dict[str, Callable[[Sequence[replay.Trace]], AdaptiveDepth]] = {
     "no copy drafts (copies)": _with(copies=False),
     "no repeat buckets (Repeats)": _with(repeats=Repeats(n=10**9)),
     "two buckets, no long one (long)": _with(repeats=Repeats(long=10**9)),
@@ -95,18 +95,19 @@ def main() -> None:
         positions = sum(len(t.output) - 1 for t in recorded)
         print(f"\n{path.name}: {len(recorded)} prompts, {positions} positions, T={meta['temperature']:g}")
         short, full = replay.mean_acceptance(recorded), replay.mean_acceptance(recorded, full=True)
-        print("  E[accepted] at k = 1, 2, 4, 8, 15, block of k + 1:   "
-              + "  ".join(f"{short[k]:.2f}" for k in (1, 2, 4, 8, B)))
-        print("                              whole block, first k: "
-              + "  ".join(f"{full[k]:.2f}" for k in (1, 2, 4, 8, B)))
+        ks = sorted({k for k in (1, 2, 4, 8) if k < B} | {B})
+        label = f"  E[accepted] at k = {', '.join(map(str, ks))}, block of k + 1: "
+        print(label + "  ".join(f"{short[k]:.2f}" for k in ks))
+        print(f"{'whole block, first k: ':>{len(label)}}" + "  ".join(f"{full[k]:.2f}" for k in ks))
         offered = sum(int((t.copied >= 0).sum()) for t in recorded)
-        print(f"  copy drafts offered at {offered / positions:.0%} of positions; E[accepted] of a copy of 15 there: "
-              + f"{np.mean([min(c, B) for t in recorded for c in t.copied if c >= 0] or [0]):.2f}")
+        deepest = recorded[0].copy_depth
+        print(f"  copy drafts offered at {offered / positions:.0%} of positions; E[accepted] of a copy of {deepest} "
+              f"there: {np.mean([min(c, deepest) for t in recorded for c in t.copied if c >= 0] or [0]):.2f}")
         print(f"  {'profile':<26} {'policy':>7} {'drafter':>8} {'fixed (k)':>11} {'copy (k)':>11} {'oracle':>7} "
               f"{'of fixed':>8} {'of oracle':>9} {'copies':>6}  {'oracle, whole block':>19}")
         for profile in profiles_for(path, B):
-            got = replay.judge(lambda depth: AdaptiveDepth(depth), recorded, profile)
-            alone = replay.simulate(AdaptiveDepth(B, copies=False), recorded, profile)
+            got = replay.judge(replay.adaptive, recorded, profile)
+            alone = replay.simulate(replay.adaptive(recorded, copies=False), recorded, profile)
             whole = replay.oracle_replay(recorded, profile, full=True, copies=False)
             cycles = sum(got["depths"])
             print(f"  {profile.name[:26]:<26} {got['policy_vs_plain']:>6.2f}x {alone.vs_plain:>7.2f}x "
@@ -117,12 +118,12 @@ def main() -> None:
         if args.ablate:
             profiles = profiles_for(path, B)
 
-            def policy(make: Callable[[int], AdaptiveDepth]) -> AdaptiveDepth:
-                made = make(B)
+            def policy(make: Callable[[Sequence[replay.Trace]], AdaptiveDepth]) -> AdaptiveDepth:
+                made = make(recorded)
                 made.copies = made.copies and not args.drafter_only
                 return made
 
-            base = [replay.simulate(policy(AdaptiveDepth), recorded, p).tokens_per_second for p in profiles]
+            base = [replay.simulate(policy(replay.adaptive), recorded, p).tokens_per_second for p in profiles]
             print(f"  tokens/s with a tunable removed, relative to the default{' without copies' * args.drafter_only}"
                   ", per profile:")
             for label, make in ABLATIONS.items():
@@ -134,9 +135,9 @@ def main() -> None:
         mixed = [t for pair in zip(greedy, sampled) for t in pair]
         print(f"\n{args.mixed[0].name} and {args.mixed[1].name} alternating ({len(mixed)} requests):")
         for profile in profiles_for(args.mixed[0], B):
-            shared = replay.simulate(AdaptiveDepth(B), mixed, profile)
-            apart = replay.simulate(AdaptiveDepth(B), greedy[: len(mixed) // 2], profile)
-            apart.add(replay.simulate(AdaptiveDepth(B), sampled[: len(mixed) // 2], profile))
+            shared = replay.simulate(replay.adaptive(mixed), mixed, profile)
+            apart = replay.simulate(replay.adaptive(mixed), greedy[: len(mixed) // 2], profile)
+            apart.add(replay.simulate(replay.adaptive(mixed), sampled[: len(mixed) // 2], profile))
             print(f"  {profile.name:<34} one state {shared.vs_plain:.3f}x, one per kind {apart.vs_plain:.3f}x plain: "
                   f"apart / shared {apart.tokens_per_second / shared.tokens_per_second:.3f}")
     print(f"\n(ratios to mlx-lm's plain decoding under each profile; replayed in {time.perf_counter() - tic:.1f} s)")

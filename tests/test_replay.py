@@ -93,8 +93,9 @@ def _brute(trace: Trace, profile: CostProfile, p: int = 0) -> float:
         return 0.0
     depths = range(min(trace.max_depth, n - p - 2) + 1)
     options = [profile.seconds(k, 0) + _brute(trace, profile, p + trace.accepted_at(p, k) + 1) for k in depths]
-    if trace.copy_at(p, 1) is not None:
-        options += [profile.copy_seconds(k, 0) + _brute(trace, profile, p + trace.copy_at(p, k) + 1) for k in depths[1:]]
+    if trace.copy_at(p, 1) is not None:  # copies go deeper than the drafter's block (``Trace.copy_depth``)
+        options += [profile.copy_seconds(k, 0) + _brute(trace, profile, p + trace.copy_at(p, k) + 1)
+                    for k in range(1, min(trace.copy_depth, n - p - 2) + 1)]
     return min(options)
 
 
@@ -139,7 +140,7 @@ def test_a_hand_made_replay():
     profile = _profile()
     # k = 3 at p 0 (accepts 3), then the budget leaves room for 2 at p 4 (accepts 2): p 7 ends it
     run = replay.simulate(FixedBlock(4), [trace], profile)
-    assert run.depths == [0, 0, 1, 1] and run.seconds == pytest.approx(1.9 + 1.7) and run.tokens == 7
+    assert run.depths == [0, 0, 1, 1] + [0] * 12 and run.seconds == pytest.approx(1.9 + 1.7) and run.tokens == 7
     plain = replay.simulate(FixedBlock(1), [trace], profile)  # the loop's plain steps cost 1.1 mlx-lm steps
     assert plain.seconds == pytest.approx(7 * 1.1) and plain.vs_plain == pytest.approx(1 / 1.1)
     k, best = replay.best_fixed([trace], profile)
@@ -152,8 +153,22 @@ def test_the_replay_is_deterministic():
     profile = replay.mac_profile("m5max-27b-4bit", 15)
     runs = [replay.simulate(AdaptiveDepth(15), recorded, profile) for _ in range(2)]
     assert runs[0].seconds == runs[1].seconds and runs[0].depths == runs[1].depths
-    judged = replay.judge(lambda depth: AdaptiveDepth(depth), recorded, profile)
+    judged = replay.judge(replay.adaptive, recorded, profile)
     assert judged["oracle_vs_plain"] >= judged["best_fixed_vs_plain"] and judged["policy_of_oracle"] <= 1
+
+
+def test_copies_replay_deeper_than_a_small_drafters_block():
+    """As the decode loop: a drafter of blocks of 8 drafts at most 7, copies fill a verify of 16, alone and batched
+    (whose planner warms up on the drafter's block, not on 15 it never drafts)."""
+    output = list(range(20, 36)) * 6  # a loop of 16 tokens: copies of 15 are offered and accepted whole
+    trace = _trace([1] * (len(output) - 1), B=7, output=output)
+    assert trace.max_depth == 7 and trace.copy_depth == 15 and trace.copied.max() >= 15
+    profile = _profile(B=7, drafter=0.3, per_token=0.02)  # a verified position is cheap: deep copies pay
+    run = replay.simulate(replay.adaptive([trace]), [trace], profile)
+    assert len(run.depths) == 16 and sum(run.depths[8:]) > 0 and run.copies
+    assert replay.oracle(trace, profile) < replay.oracle(_trace([1] * (len(output) - 1), B=7), profile)
+    batch = replay.simulate_batch(lambda: replay.adaptive([trace]), [trace, trace], profile)
+    assert batch.tokens == 2 * (len(output) - 1) and batch.vs_plain_batch > 1
 
 
 def test_trace_files_round_trip(pairs, tmp_path):

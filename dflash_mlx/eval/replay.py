@@ -20,14 +20,15 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ..decode.batch import BatchPlanner
 from ..decode.estimates import CycleCosts
-from ..decode.policy import COPY, DRAFTER, DraftPolicy, FixedBlock, Plan
+from ..decode.policy import COPY, DRAFTER, AdaptiveDepth, DraftPolicy, FixedBlock, Plan
 from ..decode.repeats import Repeats
+from ..models.caches import COPY_BLOCK
 
 
 @dataclass
@@ -49,11 +50,11 @@ class Trace:
     copied: np.ndarray = field(init=False)  # [len(output) - 1]: the copy draft's agreeing prefix; -1: none offered
 
     def __post_init__(self) -> None:
-        n, B = len(self.output), self.accepted.shape[1]
+        n = len(self.output)
         index, history = Repeats(), list(self.prompt)
         self.copied = np.full(max(n - 1, 0), -1, dtype=np.int64)
         for p in range(n - 1):
-            copy = index.continuation(history, self.output[p], B - 1)
+            copy = index.continuation(history, self.output[p], self.copy_depth)
             if copy:
                 agree = [c == t for c, t in zip(copy, self.output[p + 1 :])]
                 self.copied[p] = next((i for i, ok in enumerate(agree) if not ok), len(agree))
@@ -61,7 +62,13 @@ class Trace:
 
     @property
     def max_depth(self) -> int:
+        """The deepest draft of the drafter (its block - 1)."""
         return self.accepted.shape[1] - 1
+
+    @property
+    def copy_depth(self) -> int:
+        """The deepest copy: as the decode loop's default verify (``caches.copy_block``), at least COPY_BLOCK - 1."""
+        return max(self.max_depth, COPY_BLOCK - 1)
 
     @property
     def full_block(self) -> np.ndarray:
@@ -273,12 +280,13 @@ def _outcome(plan: Plan, trace: Trace, p: int, full: bool) -> tuple[int, int, st
     """What a cycle planned at position p drafts, how many the target keeps, and from where: as the decode loop,
     the plan's depth capped by the block and the budget; a copy planned where the history offers none runs the
     plan's fallback from the drafter."""
-    n, B = len(trace.output), trace.max_depth
-    k = max(0, min(plan.depth, B, n - p - 2))
-    copied = trace.copy_at(p, k) if plan.source == COPY and k else None
-    if copied is not None:
-        return k, copied, COPY
-    k = k if plan.source != COPY else max(0, min(plan.fallback, B, n - p - 2))
+    left = len(trace.output) - p - 2
+    if plan.source == COPY:
+        k = max(0, min(plan.depth, trace.copy_depth, left))
+        copied = trace.copy_at(p, k) if k else None
+        if copied is not None:
+            return k, copied, COPY
+    k = max(0, min(plan.fallback if plan.source == COPY else plan.depth, trace.max_depth, left))
     return k, trace.accepted_at(p, k, full), DRAFTER
 
 
@@ -295,8 +303,8 @@ def simulate(policy: DraftPolicy, traces: Sequence[Trace], profile: CostProfile,
     clock = offset
     for trace in traces:
         policy.start()
-        n, B = len(trace.output), trace.max_depth
-        got = Replay(tokens=n - 1, plain_seconds=_plain_seconds(trace, profile), depths=[0] * (B + 1))
+        n = len(trace.output)
+        got = Replay(tokens=n - 1, plain_seconds=_plain_seconds(trace, profile), depths=[0] * (trace.copy_depth + 1))
         history = list(trace.prompt)
         p = 0  # output[p] is emitted; the target has not consumed it yet
         while p < n - 1:
@@ -352,7 +360,8 @@ def simulate_batch(make_policy: Callable[[], DraftPolicy], traces: Sequence[Trac
     rows = [(trace, make_policy(), list(trace.prompt), [0]) for trace in traces]
     for _, policy, _, _ in rows:
         policy.start()
-    planner, out = BatchPlanner(), BatchReplay(len(rows))
+    planner = BatchPlanner(draft_depth=min((t.max_depth for t in traces), default=None))
+    out = BatchReplay(len(rows))
     while active := [row for row in rows if row[3][0] < len(row[0].output) - 1]:
         plans = [policy.plan(history) for _, policy, history, _ in active]
         planned = len(active) > 1
@@ -382,15 +391,15 @@ def simulate_batch(make_policy: Callable[[], DraftPolicy], traces: Sequence[Trac
 def oracle(trace: Trace, profile: CostProfile, full: bool = False, copies: bool = True) -> float:
     """The least seconds any schedule takes over ``trace``: best[p] = min over the drafter's depths k of
     t(k) + best[p + a_k(p) + 1], and, where the history offers a copy (``copies``), over copies of k too."""
-    n, B = len(trace.output), trace.max_depth
+    n = len(trace.output)
     best = [0.0] * n
     for p in range(n - 2, -1, -1):
         context = len(trace.prompt) + p + 1
-        depths = range(min(B, n - p - 2) + 1)
+        depths = range(min(trace.max_depth, n - p - 2) + 1)
         best[p] = min(profile.seconds(k, context) + best[p + trace.accepted_at(p, k, full) + 1] for k in depths)
         if copies and trace.copied[p] >= 0:
             best[p] = min([best[p]] + [profile.copy_seconds(k, context) + best[p + trace.copy_at(p, k) + 1]
-                                       for k in depths[1:]])
+                                       for k in range(1, min(trace.copy_depth, n - p - 2) + 1)])
     return best[0] if n > 1 else 0.0
 
 
@@ -405,17 +414,22 @@ def oracle_replay(traces: Sequence[Trace], profile: CostProfile, full: bool = Fa
 def best_fixed(traces: Sequence[Trace], profile: CostProfile, full: bool = False,
                source: str = DRAFTER) -> tuple[int, Replay]:
     """The fixed depth (0 = plain steps of the decode loop) that was fastest over all ``traces``, in hindsight."""
-    B = traces[0].max_depth
-    runs = [(k, simulate(FixedBlock(k + 1, source), traces, profile, full)) for k in range(B + 1)]
+    deepest = traces[0].copy_depth if source == COPY else traces[0].max_depth
+    runs = [(k, simulate(FixedBlock(k + 1, source), traces, profile, full)) for k in range(deepest + 1)]
     return max(runs, key=lambda run: run[1].tokens_per_second)
 
 
-def judge(make_policy: Callable[[int], DraftPolicy], traces: Sequence[Trace], profile: CostProfile,
+def adaptive(traces: Sequence[Trace], **settings: Any) -> AdaptiveDepth:
+    """The default policy as the decode loop makes it for the traces' drafter: copies up to ``copy_depth``, the
+    drafter's drafts up to its block - 1."""
+    return AdaptiveDepth(traces[0].copy_depth, draft_depth=traces[0].max_depth, **settings)
+
+
+def judge(make_policy: Callable[[Sequence[Trace]], DraftPolicy], traces: Sequence[Trace], profile: CostProfile,
           full: bool = False) -> dict:
-    """The policy against plain decoding, the best fixed drafter depth and the best fixed copy depth in
-    hindsight, and the oracle (drafter and copies)."""
-    B = traces[0].max_depth
-    policy = simulate(make_policy(B), traces, profile, full)
+    """The policy (``make_policy(traces)``, e.g. ``adaptive``) against plain decoding, the best fixed drafter depth
+    and the best fixed copy depth in hindsight, and the oracle (drafter and copies)."""
+    policy = simulate(make_policy(traces), traces, profile, full)
     k, fixed = best_fixed(traces, profile, full)
     c, copying = best_fixed(traces, profile, full, COPY)
     ceiling = oracle_replay(traces, profile, full)
