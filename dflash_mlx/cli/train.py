@@ -25,7 +25,7 @@ def train(
     prompt_count: int = typer.Option(600, "--prompt-count", help="Built-in prompts to use (without --prompts)."),
     reply_tokens: int = typer.Option(128, "--reply-tokens", help="Longest reply the target writes per prompt."),
     layers: int = typer.Option(1, "--layers", help="Draft layers."),
-    block_size: int = typer.Option(16, "--block-size", help="Block size to train for."),
+    block_size: int = typer.Option(8, "--block-size", help="Block size to train for (copies still fill 16)."),
     target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps \\[default: 200]."),
     time_budget: Optional[str] = typer.Option(None, "--time", help="Training time instead of steps, e.g. 15m."),

@@ -417,7 +417,7 @@ def train(
     prompts: Optional[str] = None,
     prompt_count: int = 600,
     layers: int = 1,
-    block_size: int = 16,
+    block_size: int = 8,
     target_layer_ids: Optional[list[int]] = None,
     steps: Optional[int] = None,
     time_budget: Optional[float] = None,
