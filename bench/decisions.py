@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from dflash_mlx.decode.policy import AdaptiveDepth
 from dflash_mlx.eval import replay, traces
@@ -27,9 +26,9 @@ from dflash_mlx.eval import replay, traces
 VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "no copies": {"copies": False}, "alone": {"drafter": False}}
 
 
-def recording(log: list[tuple[int, str, int]], **settings: Any) -> Callable[[int], AdaptiveDepth]:
-    """AdaptiveDepth whose plans are written to ``log`` as they are made (a subclass: the batch planner still sees
-    an AdaptiveDepth)."""
+def recording(log: list[tuple[int, str, int]], **settings: Any) -> Callable[[Sequence[replay.Trace]], AdaptiveDepth]:
+    """The default policy for the traces (``replay.adaptive``), its plans written to ``log`` as they are made (a
+    subclass: the batch planner still sees an AdaptiveDepth)."""
 
     class Recorded(AdaptiveDepth):
         def plan(self, history: Any) -> Any:
@@ -37,7 +36,7 @@ def recording(log: list[tuple[int, str, int]], **settings: Any) -> Callable[[int
             log.append((plan.depth, plan.source, plan.fallback))
             return plan
 
-    return lambda depth: Recorded(depth, **settings)
+    return lambda traces: replay.adaptive(traces, Recorded, **settings)
 
 
 def synthetic_load(seed: int = 0) -> replay.Load:
@@ -46,12 +45,6 @@ def synthetic_load(seed: int = 0) -> replay.Load:
     while len(factors) < 4000:
         factors += [1.0] * rng.randint(20, 200) + [rng.uniform(2, 6)] * rng.randint(1, 30)
     return replay.Load(factors, 0.01)
-
-
-def profiles(path: Path, max_depth: int) -> list[replay.CostProfile]:
-    measured = path.parent / (path.name.removesuffix(".jsonl") + ".profile.json")
-    own = [replay.CostProfile.from_dict(json.loads(measured.read_text()))] if measured.is_file() else []
-    return own + [replay.mac_profile(name, max_depth) for name in replay.MAC_PROFILES]
 
 
 def digest(log: list[tuple[int, str, int]]) -> str:
@@ -65,7 +58,7 @@ def main() -> None:
     sets: list[tuple[str, list[replay.Trace], list[replay.CostProfile]]] = []
     for path in args.traces:
         _, recorded = traces.read(str(path))
-        sets.append((path.name, recorded, profiles(path, recorded[0].max_depth)))
+        sets.append((path.name, recorded, traces.profiles(str(path), recorded[0].max_depth)))
     synthetic = [replay.synthetic(f"a{a}", 256, 400, a, 15, seed=i) for i, a in enumerate((0.05, 0.5, 0.8, 0.95))]
     sets.append(("synthetic", synthetic, [replay.mac_profile(name, 15) for name in replay.MAC_PROFILES]))
     load = synthetic_load()
@@ -74,12 +67,12 @@ def main() -> None:
             for variant, settings in VARIANTS.items():
                 for loaded in (None, load):
                     log: list[tuple[int, str, int]] = []
-                    replay.simulate(recording(log, **settings)(recorded[0].max_depth), recorded, profile, load=loaded)
+                    replay.simulate(recording(log, **settings)(recorded), recorded, profile, load=loaded)
                     print(f"{name} | {profile.name} | {variant} | {'load' if loaded else 'quiet'} | alone | "
                           f"{digest(log)}")
                 log = []
                 make = recording(log, **settings)
-                replay.simulate_batch(lambda: make(recorded[0].max_depth), recorded[:8], profile)
+                replay.simulate_batch(lambda: make(recorded), recorded[:8], profile)
                 print(f"{name} | {profile.name} | {variant} | quiet | batch | {digest(log)}")
 
 

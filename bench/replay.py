@@ -18,7 +18,6 @@ same files give the same table.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -66,15 +65,6 @@ ABLATIONS: dict[str, Callable[[Sequence[replay.Trace]], AdaptiveDepth]] = {
 }
 
 
-def profiles_for(path: Path, max_depth: int) -> list[replay.CostProfile]:
-    measured = path.parent / (path.name.removesuffix(".jsonl") + ".profile.json")
-    out = []
-    if measured.is_file():
-        spec = json.loads(measured.read_text())
-        out.append(replay.CostProfile.from_dict(spec))
-    return out + [replay.mac_profile(name, max_depth) for name in replay.MAC_PROFILES]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+", type=Path)
@@ -105,7 +95,7 @@ def main() -> None:
               f"there: {np.mean([min(c, deepest) for t in recorded for c in t.copied if c >= 0] or [0]):.2f}")
         print(f"  {'profile':<26} {'policy':>7} {'drafter':>8} {'fixed (k)':>11} {'copy (k)':>11} {'oracle':>7} "
               f"{'of fixed':>8} {'of oracle':>9} {'copies':>6}  {'oracle, whole block':>19}")
-        for profile in profiles_for(path, B):
+        for profile in traces.profiles(str(path), B):
             got = replay.judge(replay.adaptive, recorded, profile)
             alone = replay.simulate(replay.adaptive(recorded, copies=False), recorded, profile)
             whole = replay.oracle_replay(recorded, profile, full=True, copies=False)
@@ -116,7 +106,7 @@ def main() -> None:
                   f"{got['policy_of_best_fixed']:>8.3f} {got['policy_of_oracle']:>9.3f} "
                   f"{got['copies'] / max(cycles, 1):>6.0%}  {whole.vs_plain:>18.2f}x")
         if args.ablate:
-            profiles = profiles_for(path, B)
+            profiles = traces.profiles(str(path), B)
 
             def policy(make: Callable[[Sequence[replay.Trace]], AdaptiveDepth]) -> AdaptiveDepth:
                 made = make(recorded)
@@ -134,7 +124,7 @@ def main() -> None:
         B = greedy[0].max_depth
         mixed = [t for pair in zip(greedy, sampled) for t in pair]
         print(f"\n{args.mixed[0].name} and {args.mixed[1].name} alternating ({len(mixed)} requests):")
-        for profile in profiles_for(args.mixed[0], B):
+        for profile in traces.profiles(str(args.mixed[0]), B):
             shared = replay.simulate(replay.adaptive(mixed), mixed, profile)
             apart = replay.simulate(replay.adaptive(mixed), greedy[: len(mixed) // 2], profile)
             apart.add(replay.simulate(replay.adaptive(mixed), sampled[: len(mixed) // 2], profile))

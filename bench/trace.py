@@ -62,7 +62,7 @@ def main() -> None:
     profile = traces.measure_costs(target, drafter, tokenizer, contexts, name="this machine (measured)")
     write_atomic(str(profile_file), json.dumps(profile.to_dict(), indent=1))
     for c, plain, row in zip(profile.contexts, profile.plain, profile.cycle):
-        print(f"context {c:>6}: mlx-lm step {1e3 * plain:.2f} ms; cycle at k = 0, 1, 4, 15: "
+        print(f"context {c:>6}: mlx-lm step {1e3 * plain:.2f} ms; cycle at k = 0, 1, 4, {len(row) - 1}: "
               + ", ".join(f"{row[k] / plain:.2f}" for k in (0, 1, 4, len(row) - 1)) + " plain steps")
     print(f"costs -> {profile_file}")
 
@@ -85,7 +85,7 @@ def record(args: argparse.Namespace, pair: Path, target: Any, drafter: Any, toke
         ids = prompt_ids(tokenizer, history) if has_chat_template(tokenizer) else tokenizer.encode(conv.turns[0])
         trace = traces.record(target, drafter, tokenizer, conv.name, context + ids, args.max_tokens, sampling)
         recorded.append(trace)
-        print(f"{conv.name:<16} {len(context + ids):>5} prompt tokens  E[accepted] at k=1,4,15: "
+        print(f"{conv.name:<16} {len(context + ids):>5} prompt tokens  E[accepted] at k=1,4,{trace.max_depth}: "
               + "  ".join(f"{trace.accepted[:, k].mean():.2f}" for k in (1, 4, trace.max_depth)), flush=True)
     meta = {"pair": str(pair), "context_tokens": args.context_tokens, "temperature": args.temp, "seed": sampling.seed,
             "max_tokens": args.max_tokens, "block_size": drafter.block_size, "machine": machine_description()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 from common import CACHE, print_machine  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -86,6 +87,7 @@ def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, mi
     weights = objective.position_weights(recipe.block, gamma)
     head = objective.Head.of(target, [sequences[i] for i in train])
     loss_and_grad = nn.value_and_grad(drafter, lambda b: objective.block_loss(drafter, target, b, weights))
+
     def blocks(rows: list[int]) -> objective.Batch:
         return objective.make_batch(target, [sequences[i] for i in rows], [store[i] for i in rows],
                                     np.random.default_rng(123), 8, recipe.block, drafter.mask_token_id)
@@ -147,7 +149,12 @@ def main() -> None:
     print_machine()
     model, tokenizer = load_target(PAIR / "target")
     target = Target(model, layers)
-    sequences = training_sequences(json.loads((PAIR / "draft" / "data.json").read_text()), 16)
+    data, index = (json.loads((PAIR / "draft" / name).read_text()) for name in ("data.json", "features.json"))
+    # the sequences make pair stored features of: those whose reply holds a block of the size it trained at
+    sequences = next((s for b in (8, 16) if (s := training_sequences(data, b)) and
+                      hashlib.sha256(json.dumps(s).encode()).hexdigest() == index["sequences"]), None)
+    if sequences is None:
+        parser.error("the stored features are of other sequences than make pair's: run `make pair` again")
     lengths = [len(p) + len(r) for p, r in sequences]
     if layers == LAYERS:
         store = FeatureStore(np.load(PAIR / "draft" / "features.npy", mmap_mode="r"), lengths)

@@ -73,13 +73,14 @@ def report(model: str, target: Optional[str], dataset: str, drafter: Any, record
     """The report as printed and written: the settings, the figures, and the group with every rank's peak memory."""
     from ..eval.report import print_report
     from ..eval.report import report as summary
+    from ..models.caches import copy_block
     from ..models.drafter import NoDrafter
 
     block_size = options["block_size"]
     draft_window = options.get("draft_window")
     settings = {"model": model, "target": target, "window": options["window"], "sinks": options["sinks"],
                 "draft_window": getattr(drafter, "context_window", 0) if draft_window is None else draft_window,
-                "block_size": block_size or drafter.block_size, "policy": "fixed" if block_size else "adaptive",
+                "block_size": block_size or copy_block(drafter), "policy": "fixed" if block_size else "adaptive",
                 "draft_source": options["draft_source"], "max_tokens": options["max_tokens"],
                 "temperature": options["temperature"], "repeats": options["repeats"], "dataset": dataset,
                 "drafter": not isinstance(drafter, NoDrafter), "kv_bits": options.get("kv_bits"),

@@ -419,10 +419,10 @@ def best_fixed(traces: Sequence[Trace], profile: CostProfile, full: bool = False
     return max(runs, key=lambda run: run[1].tokens_per_second)
 
 
-def adaptive(traces: Sequence[Trace], **settings: Any) -> AdaptiveDepth:
+def adaptive(traces: Sequence[Trace], kind: type[AdaptiveDepth] = AdaptiveDepth, **settings: Any) -> AdaptiveDepth:
     """The default policy as the decode loop makes it for the traces' drafter: copies up to ``copy_depth``, the
-    drafter's drafts up to its block - 1."""
-    return AdaptiveDepth(traces[0].copy_depth, draft_depth=traces[0].max_depth, **settings)
+    drafter's drafts up to its block - 1. ``kind``: a subclass that watches it (bench/decisions.py)."""
+    return kind(traces[0].copy_depth, draft_depth=traces[0].max_depth, **settings)
 
 
 def judge(make_policy: Callable[[Sequence[Trace]], DraftPolicy], traces: Sequence[Trace], profile: CostProfile,

@@ -28,7 +28,7 @@ from ..files import write_atomic
 from ..models.drafter import Blocks, Drafter
 from ..models.target import Target
 from ..sampling import Sampling, position_keys, sample_rows
-from .replay import CostProfile, Trace
+from .replay import MAC_PROFILES, CostProfile, Trace, mac_profile
 
 ANCHORS_PER_PASS = 64  # blocks per drafter pass: bounds the [rows, context + rows] attention
 
@@ -118,6 +118,14 @@ def read(path: str) -> tuple[dict[str, Any], list[Trace]]:
         traces.append(Trace(row["name"], row["prompt"], row["output"], np.array(row["drafts"], dtype=np.int64),
                             np.array(row["accepted"], dtype=np.int64)))
     return meta, traces
+
+
+def profiles(path: str, max_depth: int) -> list[CostProfile]:
+    """The costs bench/trace.py measured beside the traces file ``NAME.jsonl`` (``NAME.profile.json``), if any, then
+    the Apple Silicon estimates."""
+    measured = Path(path).with_name(Path(path).name.removesuffix(".jsonl") + ".profile.json")
+    own = [CostProfile.from_dict(json.loads(measured.read_text()))] if measured.is_file() else []
+    return own + [mac_profile(name, max_depth) for name in MAC_PROFILES]
 
 
 def measure_costs(target: Target, drafter: Drafter, tokenizer: Any, contexts: list[int], steps: int = 24,
