@@ -7,7 +7,8 @@ stored (bench/.cache/smollm2/draft: features.npy, data.json), with the training 
 block of 8 holds), teacher-forced, on 8 blocks of each of the 24 last sequences, which it never trains on,
 and the same on 24 sequences it trains on (the gap is what the drafter memorised). No decoding: a recipe's
 learning speed, not its speedup. ``--sequences N`` trains on the first N sequences only, to
-weigh what more data is worth.
+weigh what more data is worth, or to see in minutes what an hour's dozens of passes over the data do
+(memorising it: the noise recipes).
 
 ``--target-layers`` feeds the drafter other target layers than make pair's 14 and 29: their features are
 computed once into bench/.cache/smollm2/features-<layers>/ (``training.features``).
@@ -54,6 +55,7 @@ class Recipe:
     weight_decay: float = 0.01  # AdamW's (MLX's default)
     layers: int = 1  # draft layers
     block: int = 16  # block size the drafter is trained for (and measured at)
+    noise: float = 0.0  # noise on the target features, a share of their scale (objective.perturb_features)
 
 
 RECIPES = {
@@ -68,6 +70,10 @@ RECIPES = {
     "2-layers": Recipe(layers=2),
     "block8": Recipe(block=8),
     "2-layers-block8": Recipe(layers=2, block=8),
+    "block8-noise0.1": Recipe(block=8, noise=0.1),
+    "block8-noise0.6": Recipe(block=8, noise=0.6),
+    "block8-noise1": Recipe(block=8, noise=1.0),
+    "block8-noise0.3": Recipe(block=8, noise=0.3),
 }
 
 
@@ -111,6 +117,7 @@ def run(name: str, target: Target, tokenizer, sequences, store: FeatureStore, mi
         b = objective.make_batch(target, [sequences[i] for i in picks], [store[i] for i in picks], rng, anchors,
                                  recipe.block, drafter.mask_token_id)
         b.columns = head.sample(rng, np.array(b.labels))
+        b.features = objective.perturb_features(b.features, recipe.noise, len(target.layer_ids), mx.random.key(step))
         optimizer.learning_rate = objective.learning_rate(spent / (minutes * 60), lr)
         loss, grads = loss_and_grad(b)
         optimizer.update(drafter, optim.clip_grad_norm(grads, 1.0)[0])

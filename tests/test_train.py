@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from dflash_mlx import DFlashError, generate, load
 from dflash_mlx.cli.main import app
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.drafter import Blocks, Drafter, DrafterArgs, block_mask
-from dflash_mlx.training.objective import block_labels, sample_anchors
+from dflash_mlx.training.objective import block_labels, perturb_features, sample_anchors
 from dflash_mlx.training.train import load_checkpoint, train
 
 PROMPTS = [
@@ -217,6 +218,40 @@ def test_the_loss_gamma_weighs_the_block_positions(workdir):
     assert json.loads((workdir / "gamma-1.0" / "checkpoint" / "state.json").read_text())["settings"]["loss_gamma"] == 1.0
 
 
+def test_feature_noise_is_relative_to_each_layers_scale():
+    """Two feature layers of very different sizes each get noise of ``noise`` x their own row RMS; no noise is none."""
+    rng = np.random.default_rng(0)
+    small, large = rng.normal(size=(2, 500, 64)), 100 * rng.normal(size=(2, 500, 64))
+    features = mx.array(np.concatenate([small, large], -1), dtype=mx.float32)
+    assert perturb_features(features, 0.0, 2, mx.random.key(1)) is features
+    noisy = perturb_features(features, 0.5, 2, mx.random.key(1))
+    delta = np.array(noisy - features).reshape(2, 500, 2, 64)
+    for layer, scale in ((0, 1.0), (1, 100.0)):
+        assert np.std(delta[:, :, layer]) == pytest.approx(0.5 * scale, rel=0.05)
+    np.testing.assert_array_equal(np.array(perturb_features(features, 0.5, 2, mx.random.key(1))), np.array(noisy))
+
+
+def test_feature_noise_reaches_the_loss_and_old_checkpoints_resume_without_it(workdir, trained):
+    """One step from the same start on the same blocks: noise on the features changes the first loss, and is kept
+    in the checkpoint's settings. A checkpoint made before the setting existed was trained without noise: it
+    resumes with --feature-noise 0 and refuses the default in one line."""
+    common = dict(prompts=str(workdir / "prompts.jsonl"), eval_prompts=0, steps=1, **SMALL)
+    target = str(workdir / "target")
+    first = {n: train(target, str(workdir / f"noise-{n}"), feature_noise=n, **common).losses[0] for n in (0.0, 1.0)}
+    assert first[0.0] != pytest.approx(first[1.0], rel=1e-3)
+    assert json.loads((workdir / "noise-1.0" / "checkpoint" / "state.json").read_text())["settings"]["feature_noise"] == 1.0
+
+    old = workdir / "before-noise"
+    shutil.copytree(trained[0].output, old)
+    state = json.loads((old / "checkpoint" / "state.json").read_text())
+    del state["settings"]["feature_noise"]
+    (old / "checkpoint" / "state.json").write_text(json.dumps(state))
+    kwargs = dict(SMALL, prompts=str(workdir / "prompts.jsonl"), eval_prompts=2, steps=42, resume=True)
+    with pytest.raises(DFlashError, match="was trained with --feature-noise 0.0: resume with the same settings"):
+        train(target, str(old), **kwargs)
+    assert train(target, str(old), feature_noise=0.0, **kwargs).steps == 42
+
+
 def test_resume_continues_exactly(workdir):
     """Resume restores step, weights and AdamW state exactly.
 
@@ -318,6 +353,8 @@ def _bad_target(root: Path, kind: str) -> str:
         ("changed-gamma", "was trained with the default --loss-gamma: resume with the same settings"),
         ("gamma", "--loss-gamma must be positive, got 0"),
         ("blocks", "--blocks must be >= 1, got 0"),
+        ("noise", "--feature-noise must be >= 0, got -0.1"),
+        ("changed-noise", "was trained with --feature-noise 0.3: resume with the same settings"),
     ],
 )
 def test_bad_input_is_one_clear_error(case, message, workdir, trained):
@@ -344,13 +381,17 @@ def test_bad_input_is_one_clear_error(case, message, workdir, trained):
         kwargs["loss_gamma"] = 0.0
     elif case == "blocks":
         kwargs["anchors"] = 0
-    elif case in ("no-resume", "changed", "changed-gamma"):
+    elif case == "noise":
+        kwargs["feature_noise"] = -0.1
+    elif case in ("no-resume", "changed", "changed-gamma", "changed-noise"):
         out = str(trained[0].output)
         kwargs.update(prompts=str(workdir / "prompts.jsonl"), eval_prompts=2)
         if case == "changed":
             kwargs.update(block_size=4, resume=True)
         elif case == "changed-gamma":
             kwargs.update(loss_gamma=3.0, resume=True)
+        elif case == "changed-noise":
+            kwargs.update(feature_noise=0.0, resume=True)
     with pytest.raises(DFlashError) as info:
         train(target, out, **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)

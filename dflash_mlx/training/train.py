@@ -48,7 +48,16 @@ from ..models.target import Target
 from .data import Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
 from .drafter_init import draft_config, init_from_target, pick_mask_token
 from .features import FeatureStore, feature_store
-from .objective import Batch, Head, block_loss, learning_rate, make_batch, position_weights
+from .objective import (
+    FEATURE_NOISE,
+    Batch,
+    Head,
+    block_loss,
+    learning_rate,
+    make_batch,
+    perturb_features,
+    position_weights,
+)
 from .prompts import synthetic_prompts
 
 Progress = Callable[[dict[str, Any]], None]
@@ -194,7 +203,7 @@ def evaluate(
 def _check_args(
     layers: int, block_size: int, target_layer_ids: Optional[list[int]], steps: Optional[int],
     time_budget: Optional[float], lr: float, batch_size: int, anchors: int, response_tokens: int,
-    eval_prompts: int, checkpoint_every: int, loss_gamma: Optional[float],
+    eval_prompts: int, checkpoint_every: int, loss_gamma: Optional[float], feature_noise: float,
 ) -> Optional[int]:
     """Validate the settings; returns the step budget (200 when neither budget is given)."""
     if steps is not None and time_budget is not None:
@@ -223,11 +232,16 @@ def _check_args(
         raise DFlashError(f"--lr must be positive, got {lr}")
     if loss_gamma is not None and not loss_gamma > 0:
         raise DFlashError(f"--loss-gamma must be positive, got {loss_gamma}")
+    if not feature_noise >= 0:
+        raise DFlashError(f"--feature-noise must be >= 0, got {feature_noise}")
     return steps
 
 
 FLAGS = {"layers": "--layers", "block_size": "--block-size", "target_layer_ids": "--target-layer-ids",
-         "batch_size": "--batch-size", "lr": "--lr", "anchors": "--blocks", "loss_gamma": "--loss-gamma"}
+         "batch_size": "--batch-size", "lr": "--lr", "anchors": "--blocks", "loss_gamma": "--loss-gamma",
+         "feature_noise": "--feature-noise"}
+# Settings added since checkpoints were first made, with the value those checkpoints were trained with.
+ADDED = {"feature_noise": 0.0}
 
 
 def _setting(name: str, value: Any) -> str:
@@ -272,9 +286,10 @@ def _feature_target(model: nn.Module, layers: int, target_layer_ids: Optional[li
 def _saved_state(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's state, refused when it was made with other settings: a resume may change the budget only."""
     saved = read_checkpoint_state(out_dir / CHECKPOINT)
-    changed = [k for k in settings if saved["settings"].get(k) != settings[k]]
+    made = {**ADDED, **saved["settings"]}
+    changed = [k for k in settings if made.get(k) != settings[k]]
     if changed:
-        was = ", ".join(_setting(k, saved["settings"].get(k)) for k in changed)
+        was = ", ".join(_setting(k, made.get(k)) for k in changed)
         raise DFlashError(f"{out_dir} was trained with {was}: resume with the same settings")
     return saved
 
@@ -321,6 +336,7 @@ class _Loop:
     block_size: int
     lr: float
     loss_gamma: Optional[float]
+    feature_noise: float
     steps: Optional[int]
     time_budget: Optional[float]
     head: Optional[Head] = None  # the loss's head (``run`` sets it)
@@ -344,6 +360,8 @@ class _Loop:
         self.optimizer.learning_rate = rate
         if self.head is not None:
             batch.columns = self.head.sample(rng, np.array(batch.labels))
+        batch.features = perturb_features(batch.features, self.feature_noise, len(self.target.layer_ids),
+                                          mx.random.key(int(rng.integers(2**32))))
         loss, grads = loss_and_grad(batch)
         grads, _ = optim.clip_grad_norm(grads, GRAD_CLIP)
         self.optimizer.update(self.drafter, grads)
@@ -425,6 +443,7 @@ def train(
     batch_size: int = 2,
     anchors: int = 16,
     loss_gamma: Optional[float] = None,
+    feature_noise: float = FEATURE_NOISE,
     response_tokens: int = 128,
     resume: bool = False,
     seed: int = 0,
@@ -435,7 +454,8 @@ def train(
     """Train a DFlash drafter for ``target`` (a folder or Hub repo id) into the folder ``out``.
 
     A step cuts ``anchors`` blocks from each of ``batch_size`` sequences and weighs block position
-    k by exp(-(k-1)/``loss_gamma``) (None: the published 4-7 by block size). ``steps`` or
+    k by exp(-(k-1)/``loss_gamma``) (None: the published 4-7 by block size), and sees the target's
+    features with Gaussian noise of ``feature_noise`` x their scale (``objective.perturb_features``). ``steps`` or
     ``time_budget`` (seconds of training, data generation and evaluation not counted) is the
     budget of the whole run, resumes included. Every ``checkpoint_every``
     steps and at the end, ``out/checkpoint`` is rewritten; ``resume=True`` continues it with
@@ -445,7 +465,7 @@ def train(
     fields).
     """
     steps = _check_args(layers, block_size, target_layer_ids, steps, time_budget, lr, batch_size, anchors,
-                        response_tokens, eval_prompts, checkpoint_every, loss_gamma)
+                        response_tokens, eval_prompts, checkpoint_every, loss_gamma, feature_noise)
     if prompts is None and prompt_count < 1:
         raise DFlashError(f"--prompt-count must be >= 1, got {prompt_count}")
     report = progress or (lambda info: None)
@@ -457,7 +477,7 @@ def train(
     tgt = _feature_target(model, layers, target_layer_ids)
     key = data_key(prompt_list, eval_prompts, seed, response_tokens, tgt)
     settings = dict(key, layers=layers, block_size=block_size, target_layer_ids=tgt.layer_ids,
-                    batch_size=batch_size, anchors=anchors, lr=lr, loss_gamma=loss_gamma)
+                    batch_size=batch_size, anchors=anchors, lr=lr, loss_gamma=loss_gamma, feature_noise=feature_noise)
     saved = _saved_state(out_dir, settings) if resume else None
 
     train_prompts, held_out = split_prompts(prompt_list, eval_prompts, seed)
@@ -472,7 +492,8 @@ def train(
     drafter, optimizer, state = _start(tgt, config, checkpoint, saved is not None, settings, seed, lr)
     loop = _Loop(target=tgt, drafter=drafter, optimizer=optimizer, state=state, sequences=sequences,
                  features=features, checkpoint=checkpoint, checkpoint_every=checkpoint_every, seed=seed, batch_size=batch_size,
-                 anchors=anchors, block_size=block_size, lr=lr, loss_gamma=loss_gamma, steps=steps,
+                 anchors=anchors, block_size=block_size, lr=lr, loss_gamma=loss_gamma, feature_noise=feature_noise,
+                 steps=steps,
                  time_budget=time_budget)
     loop.run(report)
     return _finish(loop, tokenizer, out_dir, data["eval"][:eval_prompts], response_tokens, report)
