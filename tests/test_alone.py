@@ -24,13 +24,20 @@ def alone(looping_dir):
 
 
 def test_a_plain_model_loads_alone_and_copies_its_loops_exactly(alone):
+    """The default policy weighs the cycles' measured times, so how many copies it drafts follows the machine's
+    load (144-155 of 200 tokens quiet, 95 beside the test suite): its count is checked loosely, and a pinned
+    block, which drafts every copy it finds, checks that loops are taken whole."""
     target, drafter, tokenizer = alone
     assert isinstance(drafter, NoDrafter) and target.layer_ids == []
     ids = tokenizer.encode(PROMPT)
+    reference = plain_greedy(target.model, ids, 200)
     result = generate(target, drafter, tokenizer, ids, max_tokens=200, eos_token_ids=[])
-    assert result.tokens == plain_greedy(target.model, ids, 200)
+    assert result.tokens == reference
     assert result.by_source["drafter"]["drafted"] == 0  # never a drafter pass
-    assert result.by_source["copy"]["accepted"] > 100 and result.cycles < 100
+    assert result.by_source["copy"]["accepted"] > 50
+    pinned = generate(target, drafter, tokenizer, ids, max_tokens=200, eos_token_ids=[], block_size=16)
+    assert pinned.tokens == reference and pinned.by_source["drafter"]["drafted"] == 0
+    assert pinned.by_source["copy"]["accepted"] > 100 and pinned.cycles < 100
 
 
 @pytest.mark.parametrize("settings", [dict(block_size=4), dict(draft_source="copy"), dict(temperature=0.8, seed=3)])
