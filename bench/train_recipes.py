@@ -63,17 +63,17 @@ RECIPES = {
     "small": Recipe(lr=1e-3, gamma=7.0),
     "small-lr3": Recipe(gamma=7.0),
     "small-rand": Recipe(gamma=7.0, from_target=False),
-    "small-lr3-g3": Recipe(),  # make pair's recipe
+    "small-lr3-g3": Recipe(),  # make pair's recipe at block 16
     "mid-lr3-g3": Recipe(batch=4),
     "base-lr3-g3": Recipe(8, 32),
     "wd0.1": Recipe(weight_decay=0.1),
     "2-layers": Recipe(layers=2),
-    "block8": Recipe(block=8),
+    "block8": Recipe(block=8),  # make pair's recipe
     "2-layers-block8": Recipe(layers=2, block=8),
     "block8-noise0.1": Recipe(block=8, noise=0.1),
+    "block8-noise0.3": Recipe(block=8, noise=0.3),  # train's default noise
     "block8-noise0.6": Recipe(block=8, noise=0.6),
     "block8-noise1": Recipe(block=8, noise=1.0),
-    "block8-noise0.3": Recipe(block=8, noise=0.3),
 }
 
 
