@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -207,3 +209,19 @@ def test_a_replay_under_load_prices_each_cycle_at_the_moment_it_runs():
     seen.clear()
     assert replay.simulate(Plain(1), [trace], profile, load=load, offset=1.0).seconds == 12.0
     assert seen == [1.0, 3.0, 1.0, 3.0, 1.0, 3.0]
+
+
+def test_the_measured_profile_beside_traces_comes_first_and_a_damaged_one_is_left_out(tmp_path, caplog):
+    """bench/trace.py writes NAME.profile.json beside NAME.jsonl: it leads the profiles; a damaged or foreign
+    file is left out with a warning, and the Apple Silicon estimates still come."""
+    macs = [p.name for p in traces.profiles(str(tmp_path / "none.jsonl"), 7)]
+    assert macs == [replay.mac_profile(name, 7).name for name in replay.MAC_PROFILES]
+    own = CostProfile("this machine", "measured", [256], [0.05], [[0.05 * (1 + 0.1 * k) for k in range(8)]])
+    (tmp_path / "t.profile.json").write_text(json.dumps(own.to_dict()))
+    assert [p.name for p in traces.profiles(str(tmp_path / "t.jsonl"), 7)] == ["this machine"] + macs
+    for damaged in ('{"name": "half', '{"other": 1}', "[1, 2]"):
+        (tmp_path / "t.profile.json").write_text(damaged)
+        with caplog.at_level("WARNING"):
+            assert [p.name for p in traces.profiles(str(tmp_path / "t.jsonl"), 7)] == macs
+        assert "ignoring the damaged cost profile" in caplog.text
+        caplog.clear()

@@ -12,6 +12,7 @@ each draft's agreeing prefix with the output is what the target would accept.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -29,6 +30,8 @@ from ..models.drafter import Blocks, Drafter
 from ..models.target import Target
 from ..sampling import Sampling, position_keys, sample_rows
 from .replay import MAC_PROFILES, CostProfile, Trace, mac_profile
+
+log = logging.getLogger(__name__)
 
 ANCHORS_PER_PASS = 64  # blocks per drafter pass: bounds the [rows, context + rows] attention
 
@@ -122,9 +125,14 @@ def read(path: str) -> tuple[dict[str, Any], list[Trace]]:
 
 def profiles(path: str, max_depth: int) -> list[CostProfile]:
     """The costs bench/trace.py measured beside the traces file ``NAME.jsonl`` (``NAME.profile.json``), if any, then
-    the Apple Silicon estimates."""
+    the Apple Silicon estimates. A damaged profile is left out with a warning: the estimates still stand."""
     measured = Path(path).with_name(Path(path).name.removesuffix(".jsonl") + ".profile.json")
-    own = [CostProfile.from_dict(json.loads(measured.read_text()))] if measured.is_file() else []
+    own = []
+    if measured.is_file():
+        try:
+            own.append(CostProfile.from_dict(json.loads(measured.read_text())))
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring the damaged cost profile %s: %s", measured, e)
     return own + [mac_profile(name, max_depth) for name in MAC_PROFILES]
 
 
