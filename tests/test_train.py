@@ -170,8 +170,12 @@ def test_checkpoint_loads_publicly_and_decodes_losslessly(trained, workdir):
     reference = fixtures.drafter_config(fixtures.target_config("qwen3", num_hidden_layers=4), 1, target_layer_ids=[2])
     assert set(config) == set(reference)
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
-    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [2]}  # the tokenizer's <|mask|>
+    # the tokenizer's <|mask|>, and the drafter's own vocabulary: every token of its training text
+    data = json.loads((result.output / "data.json").read_text())
+    seen = sorted({t for s in data["train"] for t in s["prompt"] + s["response"]})
+    assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [2], "draft_vocab_size": len(seen)}
     target, drafter, tokenizer = load(str(result.output), str(workdir / "target"))
+    assert drafter.vocabulary.ids.tolist() == seen and len(seen) < target.vocab_size
     for prompt in ["The quick brown fox", "def parse(text):"]:
         ids = tokenizer.encode(prompt)
         out = generate(target, drafter, tokenizer, ids, max_tokens=40)
@@ -181,15 +185,18 @@ def test_checkpoint_loads_publicly_and_decodes_losslessly(trained, workdir):
 def test_memorised_replies_are_drafted_back(workdir):
     """End to end, training is inference: a drafter overfitted on a few replies drafts those very
     replies almost fully (tau near B = 4) when decoding their prompts, which needs labels,
-    positions and the block layout to mean at training what they mean at inference. (A context
-    leak up to the anchor can still be memorised around; the forward-equality test catches it.)"""
+    positions and the block layout to mean at training what they mean at inference, and its own
+    vocabulary's positions to map back to the target's tokens. (A context leak up to the anchor can
+    still be memorised around; the forward-equality test catches it.)"""
     prompts = workdir / "few.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS[:5]) + "\n")
     result = train(str(workdir / "target"), str(workdir / "overfit"), prompts=str(prompts), steps=80, lr=3e-3, batch_size=4,
                    block_size=4, anchors=16, response_tokens=24, eval_prompts=0)
     target, drafter, tokenizer = load(str(result.output), str(workdir / "target"))
     data = json.loads((result.output / "data.json").read_text())
-    taus = [generate(target, drafter, tokenizer, s["prompt"], max_tokens=24).tau for s in data["train"]]
+    assert drafter.vocabulary is not None
+    taus = [generate(target, drafter, tokenizer, s["prompt"], max_tokens=24, draft_source="drafter").tau
+            for s in data["train"]]
     assert np.mean(taus) > 3.0, taus
 
 
@@ -355,6 +362,7 @@ def _bad_target(root: Path, kind: str) -> str:
         ("blocks", "--blocks must be >= 1, got 0"),
         ("noise", "--feature-noise must be >= 0, got -0.1"),
         ("changed-noise", "was trained with --feature-noise 0.3: resume with the same settings"),
+        ("draft-vocab", "--draft-vocab must be >= 0 (0: the target's whole vocabulary), got -1"),
     ],
 )
 def test_bad_input_is_one_clear_error(case, message, workdir, trained):
@@ -383,6 +391,8 @@ def test_bad_input_is_one_clear_error(case, message, workdir, trained):
         kwargs["anchors"] = 0
     elif case == "noise":
         kwargs["feature_noise"] = -0.1
+    elif case == "draft-vocab":
+        kwargs["draft_vocab"] = -1
     elif case in ("no-resume", "changed", "changed-gamma", "changed-noise"):
         out = str(trained[0].output)
         kwargs.update(prompts=str(workdir / "prompts.jsonl"), eval_prompts=2)
@@ -409,13 +419,19 @@ def test_train_command(tmp_path, models_dir):
     target, _, tokenizer = load(str(out), str(models_dir / "qwen3"))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert json.loads(gen.stdout)["tokens"] == plain_greedy(target.model, ids, 30, eos=tokenizer.eos_token_ids)
+    assert load(str(out), str(models_dir / "qwen3"))[1].vocabulary is not None  # its own, by default
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2 and again.stderr.startswith("error:") and "resume" in again.stderr
-    resumed = CliRunner().invoke(app, args[:-4] + ["--steps", "8", "--block-size", "8", "--batch-size", "2", "--resume"])
+    # a resume may change the vocabulary (it is a matter of the export): 0 drafts from the target's whole one
+    resumed = CliRunner().invoke(app, args[:-4] + ["--steps", "8", "--block-size", "8", "--batch-size", "2", "--resume",
+                                                   "--draft-vocab", "0"])
     assert resumed.exit_code == 0, resumed.output
     assert "8 steps" in resumed.stdout
+    assert load(str(out), str(models_dir / "qwen3"))[1].vocabulary is None
+    assert "draft_vocab_size" not in json.loads((out / "config.json").read_text())["dflash_config"]
     for bad, message in ((["--layers", "0"], "layers must be >= 1"), (["--time", "soon"], "--time takes a duration"),
-                         (["--loss-gamma", "-1"], "--loss-gamma must be positive"), (["--blocks", "0"], "--blocks must")):
+                         (["--loss-gamma", "-1"], "--loss-gamma must be positive"), (["--blocks", "0"], "--blocks must"),
+                         (["--draft-vocab", "-5"], "--draft-vocab must be >= 0")):
         r = CliRunner().invoke(app, ["train", str(models_dir / "qwen3"), "-o", str(tmp_path / "x"), *bad])
         assert r.exit_code == 2 and message in r.stderr, r.output
 
@@ -517,7 +533,8 @@ def test_trains_for_any_target(tmp_path, name):
                    eval_prompts=0, **SMALL)
     draft = json.loads((result.output / "config.json").read_text())["dflash_config"]
     target, drafter, tokenizer = load(str(result.output), str(tmp_path / "target"))
-    assert {k: v for k, v in draft.items() if k not in ("mask_token_id", "target_layer_ids")} == target.logit_transforms
+    kept = ("mask_token_id", "target_layer_ids", "draft_vocab_size")
+    assert {k: v for k, v in draft.items() if k not in kept} == target.logit_transforms
     assert ("final_logit_softcapping" in draft) == (name == "gemma2")
     ids = tokenizer.encode("def parse(text):")
     out = generate(target, drafter, tokenizer, ids, max_tokens=40, block_size=8, eos_token_ids=[])

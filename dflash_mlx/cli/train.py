@@ -10,6 +10,7 @@ from rich.markup import escape
 
 from .. import distributed
 from ..errors import DFlashError
+from ..models.vocabulary import DRAFT_VOCAB
 from ..training.objective import FEATURE_NOISE
 from .app import err, user_errors
 from .checks import duration, integers
@@ -37,6 +38,8 @@ def train(
                                                "positions, exp(-(k-1)/gamma) \\[default: 7 at block 16, 4 at 8]."),
     feature_noise: float = typer.Option(FEATURE_NOISE, "--feature-noise", help="Noise on the target's features "
                                         "as a share of their scale, against memorising the replies (0: none)."),
+    draft_vocab: int = typer.Option(DRAFT_VOCAB, "--draft-vocab", help="Most tokens the drafter drafts from, the "
+                                    "most frequent of its replies: a smaller head (0: the target's whole vocabulary)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT's last checkpoint."),
 ) -> None:
     """Train a DFlash drafter for TARGET on the target's own outputs, on this machine."""
@@ -53,7 +56,8 @@ def train(
             result = run(target, out, prompts=prompts, prompt_count=prompt_count, response_tokens=reply_tokens,
                          layers=layers, block_size=block_size, target_layer_ids=ids,
                          steps=steps, time_budget=budget, lr=lr, batch_size=batch_size, anchors=blocks,
-                         loss_gamma=loss_gamma, feature_noise=feature_noise, resume=resume, progress=show)
+                         loss_gamma=loss_gamma, feature_noise=feature_noise, draft_vocab=draft_vocab,
+                         resume=resume, progress=show)
         except KeyboardInterrupt:  # train() has checkpointed the last completed step, if training had begun
             _training_interrupted(out)
     Console(highlight=False).print(training_summary(result, block_size), soft_wrap=True)

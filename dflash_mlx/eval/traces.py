@@ -44,14 +44,14 @@ def _drafts(drafter: Drafter, target: Target, features: mx.array, seq: list[int]
     embeddings = drafter.embed_blocks(target, mx.array(block.reshape(1, -1)))
     h = drafter(embeddings, features, Blocks(anchors[None], features.shape[1], b, window))
     h = h.reshape(len(anchors), b, -1)[:, 1:]
-    logits = drafter.compute_logits(target.lm_head(h)).astype(mx.float32)
+    logits = drafter.head_logits(target, h).astype(mx.float32)
     if sampling.greedy:
-        return np.array(mx.argmax(logits, -1))
+        return np.array(drafter.tokens(mx.argmax(logits, -1)))
     # one draw per drafted position, keyed by its position and the block length, apart from the target's keys
     rows = []
     for i, anchor in enumerate(anchors.tolist()):
         keys = position_keys((sampling.seed + b) % 2**64, anchor + 1, b - 1)
-        rows.append(sample_rows(sampling.logprobs(logits[i]), keys))
+        rows.append(drafter.tokens(sample_rows(sampling.logprobs(logits[i]), keys)))
     return np.array(mx.stack(rows))
 
 

@@ -22,12 +22,11 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .. import __version__
 from ..errors import DFlashError
 from .caches import check_draft_window
-from .drafter import DRAFT_WINDOW
+from .drafter import DRAFT_WINDOW, Drafter
 from .loader import cast_floats, check_pair, check_target_folder, is_drafter, load_drafter, resolve
 from .registry import MANIFEST, check_bundle, is_bundle, remember_bundle
 from .registry import resolve as registry_resolve
@@ -83,7 +82,7 @@ def _check_pair(target_path: Path, draft_path: Path):
     return drafter
 
 
-def _write_drafter(drafter: nn.Module, source: Path, out: Path, dtype: Optional[str], bits: Optional[int],
+def _write_drafter(drafter: Drafter, source: Path, out: Path, dtype: Optional[str], bits: Optional[int],
                    group_size: int, quantize_fc: bool) -> None:
     out.mkdir()
     if dtype is not None:
@@ -96,7 +95,7 @@ def _write_drafter(drafter: nn.Module, source: Path, out: Path, dtype: Optional[
                     class_predicate=lambda p, m: isinstance(m, nn.Linear) and (quantize_fc or p != "fc")
                     and m.weight.shape[-1] % group_size == 0 and not any(k in p for k in FLOAT_DFLASH2))
         config["quantization"] = {"group_size": group_size, "bits": bits}
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(drafter.parameters())),
+    mx.save_safetensors(str(out / "model.safetensors"), drafter.tensors(),
                         metadata={"format": "mlx"})
     if dtype is not None:
         config["dtype"] = dtype

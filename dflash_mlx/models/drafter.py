@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
@@ -28,6 +29,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..errors import DFlashError
 from ..sampling import Proposal, Sampling
 from .caches import WindowKVCache
+from .vocabulary import DraftVocabulary
 
 if TYPE_CHECKING:
     from .target import Target
@@ -284,6 +286,7 @@ class Drafter(nn.Module):
         self.layers = [self.decoder_layer(args, args.layer_window(i)) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.context_window = DRAFT_WINDOW  # a bundle's own, once loaded from one
+        self.vocabulary: Optional[DraftVocabulary] = None  # the tokens it drafts from; None: the target's all
 
     @property
     def block_size(self) -> int:
@@ -370,11 +373,21 @@ class Drafter(nn.Module):
         block = mx.concatenate([last, mx.full((n,), self.mask_token_id, dtype=last.dtype)])
         return self(self.embed_blocks(target, block[None]), context, cache)[0, 1:]
 
+    def head_logits(self, target: "Target", h: mx.array) -> mx.array:
+        """Logits of final hidden states over the tokens this drafter drafts: the target's vocabulary, or its
+        own (``vocabulary``: position i is token ``vocabulary.ids[i]``)."""
+        head = target.lm_head if self.vocabulary is None else self.vocabulary.head(target)
+        return self.compute_logits(head(h))
+
+    def tokens(self, index: mx.array) -> mx.array:
+        """Target token ids of positions in ``head_logits``' last axis."""
+        return index if self.vocabulary is None else self.vocabulary.tokens(index)
+
     def draft_logits(
         self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int
     ) -> mx.array:
-        """Logits [n, V] for the block [last, MASK x n], from one pass that also absorbs ``context``."""
-        return self.compute_logits(target.lm_head(self.draft_hidden(target, last, context, cache, n)))
+        """``head_logits`` [n, V'] for the block [last, MASK x n], from one pass that also absorbs ``context``."""
+        return self.head_logits(target, self.draft_hidden(target, last, context, cache, n))
 
     def propose(
         self, target: "Target", last: mx.array, context: Optional[mx.array], cache: list[Cache], n: int,
@@ -387,9 +400,17 @@ class Drafter(nn.Module):
         """
         logits = self.draft_logits(target, last, context, cache, n)
         if sampling.greedy:
-            return Proposal(mx.argmax(logits, axis=-1))
+            return Proposal(self.tokens(mx.argmax(logits, axis=-1)))
         q = sampling.logprobs(logits)
-        return Proposal(mx.random.categorical(q, key=key), q)
+        drawn = mx.random.categorical(q, key=key)
+        if self.vocabulary is None:
+            return Proposal(drawn, q)
+        return Proposal(self.vocabulary.tokens(drawn), self.vocabulary.expand(q))
+
+    def tensors(self) -> dict[str, mx.array]:
+        """What its checkpoint holds: the weights, and its vocabulary where it has one."""
+        weights = dict(tree_flatten(self.parameters()))
+        return weights if self.vocabulary is None else {**weights, **self.vocabulary.tensors()}
 
 
 class NoDrafter:

@@ -487,6 +487,23 @@ def write_constant_drafter(path: Path, config: dict[str, Any], target_path: Path
     return path
 
 
+def write_draft_vocabulary(path: Path, ids: Sequence[int]) -> Path:
+    """Give the drafter in ``path`` its own vocabulary (``models.vocabulary``), in one file as ``train`` exports it."""
+    from .vocabulary import CONFIG_KEY, TENSOR
+
+    weights = {}
+    for f in path.glob("model*.safetensors"):
+        weights.update(mx.load(str(f)))
+        f.unlink()
+    (path / "model.safetensors.index.json").unlink(missing_ok=True)
+    weights[TENSOR] = mx.array(sorted(ids), dtype=mx.int32)
+    _save(path, weights)
+    config = json.loads((path / "config.json").read_text())
+    config["dflash_config"][CONFIG_KEY] = len(ids)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def write_lora_adapter(path: Path, target_path: Path, rank: int = 4, layers: int = 2, seed: int = 0) -> Path:
     """An mlx-lm LoRA adapter for the target in ``target_path``, as ``mlx_lm.lora`` writes one (adapter_config.json,
     adapters.safetensors), with random low-rank updates large enough to change the target's greedy output."""

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
@@ -22,6 +23,9 @@ from .muse_assistant import MuseAssistant, MuseAssistantArgs
 from .registry import check_bundle, gguf_hint, is_bundle, read_manifest
 from .registry import resolve as registry_resolve
 from .target import Target, check_model_type, is_tested
+from .vocabulary import CONFIG_KEY as VOCAB_CONFIG
+from .vocabulary import TENSOR as VOCAB_TENSOR
+from .vocabulary import DraftVocabulary
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What loading reads, as mlx-lm fetches it, plus drafters' weights under other names. Nothing in
@@ -180,11 +184,32 @@ def load_drafter(path: Path) -> Drafter:
     if quant := config.get("quantization"):  # written by `dflash-mlx convert --draft-quantize`
         nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"],
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
+    model.vocabulary = _vocabulary(weights, model_class, args, path)
     _check_tensors(model, weights, path)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def _vocabulary(weights: dict[str, mx.array], model_class: type, args: DrafterArgs,
+                path: Path) -> Optional[DraftVocabulary]:
+    """The drafter's own vocabulary (``vocabulary``), taken out of ``weights``; its config must declare it."""
+    declared, ids = args.dflash_config.get(VOCAB_CONFIG), weights.pop(VOCAB_TENSOR, None)
+    if declared is None and ids is None:
+        return None
+    if model_class is not Drafter:
+        raise DFlashError(f"{path}: a draft vocabulary ({VOCAB_TENSOR}) is supported for DFlash drafters only")
+    if ids is None or declared is None:
+        missing = f"the tensor {VOCAB_TENSOR}" if ids is None else f"dflash_config.{VOCAB_CONFIG}"
+        raise DFlashError(f"drafter in {path} has a draft vocabulary without {missing}")
+    if ids.ndim != 1 or ids.shape[0] != declared:
+        raise DFlashError(f"drafter in {path}: {VOCAB_TENSOR} has shape {list(ids.shape)}, its config says "
+                          f"{VOCAB_CONFIG} {declared}")
+    try:
+        return DraftVocabulary(np.array(ids), args.vocab_size)
+    except DFlashError as e:
+        raise DFlashError(f"drafter in {path}: {e}") from None
 
 
 def check_pair(target: Target, drafter: Drafter) -> None:

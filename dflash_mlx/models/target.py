@@ -535,7 +535,12 @@ class Target:
         module = self.head_module
         return module.as_linear if module is self.embedding else module
 
+    @property
+    def head_group(self) -> Optional[mx.distributed.Group]:
+        """The ranks the vocabulary projection is split over (each holds a slice of it); None: one piece."""
+        return getattr(self.lm, "sharding_group", None)
+
     def lm_head(self, h: mx.array) -> mx.array:
         logits = self.head(h)
-        group = getattr(self.lm, "sharding_group", None)  # sharded: this rank's slice of the vocabulary
+        group = self.head_group
         return logits if group is None else gather_last_axis(logits, group)

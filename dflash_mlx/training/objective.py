@@ -130,7 +130,7 @@ class Head:
     def of(cls, target: Target, sequences: Sequences) -> Optional[Head]:
         """The sub-head, or None where the head is not a plain (or quantized) matrix: then the full head scores."""
         module = target.head_module
-        if getattr(target.lm, "sharding_group", None) is not None or "bias" in module:
+        if target.head_group is not None or "bias" in module:
             return None
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             biases = module.get("biases")

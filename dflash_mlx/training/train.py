@@ -45,6 +45,8 @@ from ..files import write_atomic
 from ..models.drafter import Drafter, DrafterArgs, default_target_layer_ids
 from ..models.loader import cast_floats, check_pair, load_drafter, load_target, resolve
 from ..models.target import Target
+from ..models.vocabulary import CONFIG_KEY as VOCAB_CONFIG
+from ..models.vocabulary import DRAFT_VOCAB, DraftVocabulary
 from .data import Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
 from .drafter_init import draft_config, init_from_target, pick_mask_token
 from .features import FeatureStore, feature_store
@@ -170,9 +172,12 @@ def load_checkpoint(folder: Path, drafter: Drafter, optimizer: optim.Optimizer) 
 
 
 def export(out: Path, drafter: Drafter, config: dict[str, Any]) -> None:
-    """config.json and model.safetensors in the published layout, weights in the target's dtype."""
+    """config.json and model.safetensors in the published layout, weights in the target's dtype; the drafter's
+    vocabulary (``models.vocabulary``) beside them, declared in the config."""
     dtype = getattr(mx, config["dtype"])
-    weights = {k: v.astype(dtype) for k, v in tree_flatten(drafter.parameters())}
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in drafter.tensors().items()}
+    if drafter.vocabulary is not None:
+        config = {**config, "dflash_config": {**config["dflash_config"], VOCAB_CONFIG: len(drafter.vocabulary)}}
     write_atomic(out / "model.safetensors", lambda p: mx.save_safetensors(str(p), weights, metadata={"format": "mlx"}))
     write_atomic(out / "config.json", json.dumps(config, indent=1))
 
@@ -444,6 +449,7 @@ def train(
     anchors: int = 16,
     loss_gamma: Optional[float] = None,
     feature_noise: float = FEATURE_NOISE,
+    draft_vocab: int = DRAFT_VOCAB,
     response_tokens: int = 128,
     resume: bool = False,
     seed: int = 0,
@@ -455,7 +461,9 @@ def train(
 
     A step cuts ``anchors`` blocks from each of ``batch_size`` sequences and weighs block position
     k by exp(-(k-1)/``loss_gamma``) (None: the published 4-7 by block size), and sees the target's
-    features with Gaussian noise of ``feature_noise`` x their scale (``objective.perturb_features``). ``steps`` or
+    features with Gaussian noise of ``feature_noise`` x their scale (``objective.perturb_features``). The drafter
+    drafts from the ``draft_vocab`` tokens most frequent in its replies (``models.vocabulary``; 0: from the target's
+    whole vocabulary); that is a matter of its export, so a resume may change it. ``steps`` or
     ``time_budget`` (seconds of training, data generation and evaluation not counted) is the
     budget of the whole run, resumes included. Every ``checkpoint_every``
     steps and at the end, ``out/checkpoint`` is rewritten; ``resume=True`` continues it with
@@ -468,6 +476,8 @@ def train(
                         response_tokens, eval_prompts, checkpoint_every, loss_gamma, feature_noise)
     if prompts is None and prompt_count < 1:
         raise DFlashError(f"--prompt-count must be >= 1, got {prompt_count}")
+    if draft_vocab < 0:
+        raise DFlashError(f"--draft-vocab must be >= 0 (0: the target's whole vocabulary), got {draft_vocab}")
     report = progress or (lambda info: None)
     out_dir = Path(out).expanduser()
     _check_output(out_dir, resume)
@@ -490,6 +500,8 @@ def train(
                                                         pick_mask_token(tokenizer, tgt))
     checkpoint = out_dir / CHECKPOINT
     drafter, optimizer, state = _start(tgt, config, checkpoint, saved is not None, settings, seed, lr)
+    drafter.vocabulary = DraftVocabulary.from_replies((s["response"] for s in data["train"]),
+                                                      (s["prompt"] for s in data["train"]), tgt.vocab_size, draft_vocab)
     loop = _Loop(target=tgt, drafter=drafter, optimizer=optimizer, state=state, sequences=sequences,
                  features=features, checkpoint=checkpoint, checkpoint_every=checkpoint_every, seed=seed, batch_size=batch_size,
                  anchors=anchors, block_size=block_size, lr=lr, loss_gamma=loss_gamma, feature_noise=feature_noise,
