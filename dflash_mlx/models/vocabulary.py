@@ -1,11 +1,11 @@
 """A drafter's own vocabulary: the target tokens it drafts, so that its head projects onto those rows alone.
 
 A drafter borrows the target's LM head, one row per token of the target's vocabulary (49k for SmolLM2,
-152k for Qwen3), and on a CPU that projection was the larger part of a draft pass (11.5 ms of SmolLM2's
-~14). A drafter trained here has seen a few thousand distinct tokens as labels, and it proposes almost
-nothing else: on the real pair's held-out bench prompts, drafting over the 7,400 tokens of its training
-replies accepted as many tokens as drafting over all 49,152 (``docs/benchmarks.md``, "A drafter's own
-vocabulary"). FR-Spec and EAGLE-3 restrict the draft head the same way.
+152k for Qwen3): for a small drafter that projection is most of a draft pass (11-13 ms of 7 rows on 2 CPU
+cores for SmolLM2's head). A drafter trained here has seen a few thousand distinct tokens as labels, and it
+proposes almost nothing else: on the real pair's bench prompts, drafting over the 7,764 tokens of its training
+text accepted as many tokens as drafting over all 49,152, with a head 7x cheaper (``docs/benchmarks.md``, "A
+drafter's own vocabulary"). FR-Spec and EAGLE-3 restrict the draft head the same way.
 
 Nothing about verification changes. Greedy drafts are compared with the target's own argmax; a sampled
 draft comes from a distribution that is zero outside the subset, and rejection sampling is exact against
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 TENSOR = "draft_vocab"
 CONFIG_KEY = "draft_vocab_size"
-DRAFT_VOCAB = 32768  # most tokens a trained drafter drafts from (EAGLE-3's draft vocabulary for Llama 3)
+DRAFT_VOCAB = 32768  # most tokens a trained drafter drafts from (EAGLE-3's Llama 3.1 drafters keep 32,000 of 128,256)
 HEADS = (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding)  # one row per token, axis 0
 
 
