@@ -121,7 +121,7 @@ def test_a_damaged_vocabulary_is_one_clear_error(models_dir, tmp_path, case, edi
         load(str(folder), str(models_dir / "qwen3"))
     assert message in str(info.value) and "\n" not in str(info.value)
     result = CliRunner().invoke(app, ["generate", str(folder), "-t", str(models_dir / "qwen3"), "-p", "hi", "-m", "4"])
-    assert result.exit_code != 0 and message in result.stderr and "Traceback" not in result.output
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output
 
 
 def test_other_drafter_kinds_refuse_a_vocabulary(models_dir, tmp_path):
