@@ -55,6 +55,16 @@ def _drafts(drafter: Drafter, target: Target, features: mx.array, seq: list[int]
     return np.array(mx.stack(rows))
 
 
+def target_features(target: Target, seq: list[int]) -> mx.array:
+    """[1, len(seq), F]: the drafter's features of every position of ``seq``, from one pass of the target."""
+    cache, parts = target.make_cache(), []
+    for start in range(0, len(seq), PREFILL_STEP):  # chunks: no [heads, L, L] scores for an agent-sized prompt
+        parts.append(target(mx.array(seq[start : start + PREFILL_STEP])[None], cache, last_logits_only=True,
+                            undoable=False)[1])
+        mx.eval(parts[-1])
+    return mx.concatenate(parts, axis=1)
+
+
 def record(target: Target, drafter: Drafter, tokenizer: Any, name: str, prompt: list[int], max_tokens: int,
            sampling: Sampling = Sampling(), draft_window: Optional[int] = None,
            output: Optional[list[int]] = None) -> Trace:
@@ -77,12 +87,7 @@ def record_windows(target: Target, drafter: Drafter, tokenizer: Any, name: str, 
                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                           min_p=sampling.min_p, seed=sampling.seed, verify="match").tokens
     seq = prompt + output
-    cache, parts = target.make_cache(), []
-    for start in range(0, len(seq), PREFILL_STEP):  # chunks: no [heads, L, L] scores for an agent-sized prompt
-        parts.append(target(mx.array(seq[start : start + PREFILL_STEP])[None], cache, last_logits_only=True,
-                            undoable=False)[1])
-        mx.eval(parts[-1])
-    features = mx.concatenate(parts, axis=1)
+    features = target_features(target, seq)
     n, B = len(output), drafter.block_size
     labels = np.full((n - 1, B - 1), -1)
     for p in range(n - 1):
