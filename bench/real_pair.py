@@ -100,8 +100,8 @@ def build(args: argparse.Namespace) -> Path:
     if layers is None and saved_step(str(draft)) is not None:  # the drafter there goes on as it was begun
         layers = read_checkpoint_state(draft / CHECKPOINT)["settings"]["layers"]
         if layers != RECIPE["layers"]:
-            print(f"going on with the {layers}-layer drafter in {draft} (the recipe's is {RECIPE['layers']}: "
-                  f"remove that folder to train one)", flush=True)
+            print(f"going on with the {layers}-layer drafter in {draft} (the recipe now trains {RECIPE['layers']}: "
+                  f"remove that folder to start such a drafter)", flush=True)
     recipe = dict(RECIPE, layers=layers or RECIPE["layers"])
     curve = []
     planned = stages(duration(args.time) / 60)
