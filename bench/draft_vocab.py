@@ -12,7 +12,7 @@ plain decoding of the same prompt, and what each drafts is compared teacher-forc
 from __future__ import annotations
 
 from common import CACHE, median_time, print_machine  # re-execs with OpenBLAS first
-from side_by_side import acceptance, speedups
+from side_by_side import acceptance, prompt_options, speedups
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
@@ -28,10 +28,7 @@ PAIR = CACHE / "smollm2" / "bundle"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default=str(PAIR), help="a bundle whose drafter has its own vocabulary")
-    parser.add_argument("--datasets", default="math,chat,code,edit")
-    parser.add_argument("--prompts", type=int, default=6, help="prompts per dataset")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each prompt and path, alternating")
+    prompt_options(parser, "math,chat,code,edit")
     args = parser.parse_args()
     print_machine()
     target, cut, tokenizer = dflash_mlx.load(args.pair)

@@ -76,15 +76,20 @@ def speedups(target: Any, tokenizer: Any, drafters: dict[str, Any], datasets: li
             f"{statistics.median(s):.2f}x, {min(s):.2f}x, {statistics.median(t):.2f}" for s, t in by.values()))
 
 
+def prompt_options(parser: argparse.ArgumentParser, datasets: str) -> None:
+    """The options of what ``acceptance`` and ``speedups`` run."""
+    parser.add_argument("--datasets", default=datasets)
+    parser.add_argument("--prompts", type=int, default=6, help="prompts per dataset")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1, help="timed runs of each prompt and drafter")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default=str(PAIR), help="a bundle: its target, and its drafter (named after its folder)")
     parser.add_argument("--with", dest="others", action="append", default=[], metavar="NAME=BUNDLE",
                         help="another bundle's drafter, on the first bundle's target")
-    parser.add_argument("--datasets", default="math,chat,code")
-    parser.add_argument("--prompts", type=int, default=6, help="prompts per dataset")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each prompt and drafter")
+    prompt_options(parser, "math,chat,code")
     args = parser.parse_args()
     print_machine()
     target, drafter, tokenizer = dflash_mlx.load(args.pair)
