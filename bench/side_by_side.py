@@ -8,14 +8,14 @@ policy; each drafter keeps its own policy for the whole run, as one process of `
 judge a policy better (``bench/replay.py``); this is the paired confirmation.
 
     python bench/side_by_side.py --pair BUNDLE --with NAME=BUNDLE [--with ...] [--datasets math,chat,code]
-                                 [--prompts 6] [--max-tokens 128] [--rounds 1]
+                                 [--prompts 6] [--max-tokens 128] [--rounds 1] [--hogs 0]
 
 The first bundle's target serves every drafter (the others' targets must be the same model).
 """
 
 from __future__ import annotations
 
-from common import CACHE, print_machine  # re-execs with OpenBLAS first
+from common import CACHE, cpu_hogs, print_machine  # re-execs with OpenBLAS first
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--with", dest="others", action="append", default=[], metavar="NAME=BUNDLE",
                         help="another bundle's drafter, on the first bundle's target")
     prompt_options(parser, "math,chat,code")
+    parser.add_argument("--hogs", type=int, default=0, help="CPU hogs beside the timed runs: a busy machine")
     args = parser.parse_args()
     print_machine()
     target, drafter, tokenizer = dflash_mlx.load(args.pair)
@@ -105,7 +106,10 @@ def main() -> None:
         print(f"{name}: {d.source}, {layers}, block {d.block_size}, {vocabulary}")
     datasets = args.datasets.split(",")
     acceptance(target, tokenizer, drafters, datasets, args.prompts, args.max_tokens)
-    speedups(target, tokenizer, drafters, datasets, args.prompts, args.max_tokens, args.rounds)
+    if args.hogs:
+        print(f"timed beside {args.hogs} CPU hogs")
+    with cpu_hogs(args.hogs):
+        speedups(target, tokenizer, drafters, datasets, args.prompts, args.max_tokens, args.rounds)
 
 
 if __name__ == "__main__":
