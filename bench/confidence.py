@@ -17,12 +17,14 @@ from common import CACHE, median_time, print_machine  # re-execs with OpenBLAS f
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dflash_mlx  # noqa: E402
+from dflash_mlx.errors import DFlashError  # noqa: E402
 from dflash_mlx.chat_template import prompt_ids  # noqa: E402
 from dflash_mlx.decode.generate import generate  # noqa: E402
 from dflash_mlx.eval.prompts import builtin  # noqa: E402
@@ -128,4 +130,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (DFlashError, OSError, json.JSONDecodeError) as e:  # a wrong path, a damaged file: one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -20,6 +20,7 @@ import sys  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 import dflash_mlx  # noqa: E402
+from dflash_mlx.errors import DFlashError  # noqa: E402
 from dflash_mlx.models.loader import cast_floats, load_drafter  # noqa: E402
 
 PAIR = CACHE / "smollm2" / "bundle"
@@ -52,4 +53,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DFlashError as e:  # a wrong path, a drafter that does not fit: one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

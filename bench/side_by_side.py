@@ -20,11 +20,13 @@ from common import CACHE, cpu_hogs, print_machine  # re-execs with OpenBLAS firs
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
+import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import dflash_mlx  # noqa: E402
+from dflash_mlx.errors import DFlashError  # noqa: E402
 from dflash_mlx.chat_template import prompt_ids  # noqa: E402
 from dflash_mlx.eval import traces  # noqa: E402
 from dflash_mlx.eval.bench import measure  # noqa: E402
@@ -113,4 +115,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DFlashError as e:  # a wrong path, a drafter that does not fit: one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
