@@ -15,7 +15,7 @@
 
 Everything lands in bench/.cache/smollm2/ and is reused: a second run with the same ``--time`` measures only.
 
-    python bench/real_pair.py [--gguf FILE] [--time 60m] [--layers 2] [--measure] [--prompts 12]
+    python bench/real_pair.py [--gguf FILE] [--time 60m] [--layers 2] [--target-layers 14,29] [--measure] [--prompts 12]
 """
 
 from __future__ import annotations
@@ -96,13 +96,15 @@ def build(args: argparse.Namespace) -> Path:
                 took[e["phase"]] = time.perf_counter() - began.pop(e["phase"])
             print(f"  {e['phase']} {e['done']}/{e['total']}", flush=True)
 
-    layers = args.layers
-    if layers is None and saved_step(str(draft)) is not None:  # the drafter there goes on as it was begun
-        layers = read_checkpoint_state(draft / CHECKPOINT)["settings"]["layers"]
-        if layers != RECIPE["layers"]:
-            print(f"going on with the {layers}-layer drafter in {draft} (the recipe now trains {RECIPE['layers']}: "
-                  f"remove that folder to start such a drafter)", flush=True)
-    recipe = dict(RECIPE, layers=layers or RECIPE["layers"])
+    chosen = {"layers": args.layers, "target_layer_ids": args.target_layers}
+    recipe = dict(RECIPE, **{k: v for k, v in chosen.items() if v is not None})
+    if saved_step(str(draft)) is not None:  # the drafter there goes on as it was begun, unless told otherwise
+        began = read_checkpoint_state(draft / CHECKPOINT)["settings"]
+        for key, value in chosen.items():
+            if value is None and began[key] != RECIPE[key]:
+                recipe[key] = began[key]
+                print(f"going on with the drafter in {draft} ({key} {began[key]}; the recipe now has "
+                      f"{RECIPE[key]}: remove that folder to start such a drafter)", flush=True)
     curve = []
     planned = stages(duration(args.time) / 60)
     for minutes in planned:
@@ -166,6 +168,9 @@ def main() -> None:
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct's GGUF, where pip cannot fetch it")
     parser.add_argument("--time", default="60m", help="drafter training time in all (steps stop at it)")
     parser.add_argument("--layers", type=int, default=None, help=f"draft layers [default: {RECIPE['layers']}]")
+    parser.add_argument("--target-layers", type=lambda s: [int(i) for i in s.split(",")], default=None,
+                        help=f"target layers the drafter reads, e.g. 1,8,14,20,27 [default: "
+                             f"{','.join(map(str, RECIPE['target_layer_ids']))}]")
     parser.add_argument("--measure", action="store_true", help="measure the pair on every dataset")
     parser.add_argument("--prompts", type=int, default=12, help="prompts per dataset with --measure")
     parser.add_argument("--max-tokens", type=int, default=256)
