@@ -163,12 +163,19 @@ def measure(bundle: Path, prompts: int, max_tokens: int, folder: Path = FOLDER) 
     print(f"\nall prompts: tau median {statistics.median(taus):.2f}")
 
 
+def layer_ids(text: str) -> list[int]:
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer numbers") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct's GGUF, where pip cannot fetch it")
     parser.add_argument("--time", default="60m", help="drafter training time in all (steps stop at it)")
     parser.add_argument("--layers", type=int, default=None, help=f"draft layers [default: {RECIPE['layers']}]")
-    parser.add_argument("--target-layers", type=lambda s: [int(i) for i in s.split(",")], default=None,
+    parser.add_argument("--target-layers", type=layer_ids, default=None,
                         help=f"target layers the drafter reads, e.g. 1,8,14,20,27 [default: "
                              f"{','.join(map(str, RECIPE['target_layer_ids']))}]")
     parser.add_argument("--measure", action="store_true", help="measure the pair on every dataset")
@@ -178,10 +185,16 @@ def main() -> None:
     print_machine()
     try:
         bundle = build(args)
+        if args.measure:
+            measure(bundle, args.prompts, args.max_tokens)
+    except subprocess.CalledProcessError as e:  # a bench run that failed or was interrupted has said why itself
+        sys.exit(e.returncode)
     except DFlashError as e:  # e.g. a drafter left by another recipe: a resume refuses other settings
         sys.exit(f"error: {e} (remove {FOLDER / 'draft'} to train a new one)")
-    if args.measure:
-        measure(bundle, args.prompts, args.max_tokens)
+    except KeyboardInterrupt:  # train() has checkpointed its last step; replies and features are kept as written
+        print(f"\ninterrupted: what was done is kept in {FOLDER}; the same command goes on from there",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
