@@ -483,7 +483,7 @@ def test_progress_shows_the_step_and_the_time_left(tmp_path, models_dir, workdir
 
 def test_ctrl_c_says_how_to_resume(tmp_path, models_dir, workdir, monkeypatch):
     """Ctrl-C exits 130 with one line: what was saved and where, and that --resume continues; --resume
-    then runs only the steps left. Before any step, it says nothing was saved."""
+    then runs only the steps left. Before any step, it says how many replies are kept, or that nothing was saved."""
     out = tmp_path / "drafter"
     args = _train_args(models_dir, workdir, out, "--steps", "6")
 
@@ -495,9 +495,19 @@ def test_ctrl_c_says_how_to_resume(tmp_path, models_dir, workdir, monkeypatch):
         assert "Traceback" not in result.output and result.stdout == ""
         return [line for line in result.stderr.splitlines() if line.strip()]
 
+    respond = training.respond
     with monkeypatch.context() as patch:
         patch.setattr(training, "respond", ctrl_c)  # Ctrl-C while the target writes its replies
         assert lines(CliRunner().invoke(app, args)) == ["interrupted before the first training step; nothing was saved"]
+
+        def two_then_ctrl_c(model, prompts, max_tokens, eos, progress, keep):
+            respond(model, prompts[:2], max_tokens, eos, progress, keep)
+            raise KeyboardInterrupt
+
+        patch.setattr(training, "respond", two_then_ctrl_c)
+        assert lines(CliRunner().invoke(app, args)) == [
+            f"interrupted before the first training step; the target's 2 replies so far are kept in "
+            f"{out / 'data.json'}: the same command goes on from them"]
 
     make_batch, batches = training.make_batch, []
 
@@ -519,6 +529,24 @@ def test_ctrl_c_says_how_to_resume(tmp_path, models_dir, workdir, monkeypatch):
     resumed = CliRunner().invoke(app, [*args, "--resume"])
     assert resumed.exit_code == 0, resumed.output
     assert len(batches) == 3 and f"{out}: 6 steps" in resumed.stdout
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_replies_are_kept_one_by_one_as_the_target_decodes_them_alone(tmp_path, name):
+    """Each prompt's reply reaches ``keep`` once, as it is done: batched where the batch's reply to the first prompt
+    is the model's own, else (Gemma 2's attention takes no padded batch masks) one prompt at a time; either way the
+    first reply is the model's greedy decoding of that prompt alone."""
+    fixtures.write_target(tmp_path / "target", fixtures.target_config(name), seed=0)
+    target, _, tokenizer = load(str(tmp_path / "target"))
+    prompts = [tokenizer.encode(text) for text in ("def parse(text):", "The quick brown fox", "1 + 1 =")]
+    kept: list[tuple[int, list[int]]] = []
+    training.respond(target.model, prompts, 6, frozenset(), lambda e: None, lambda i, r: kept.append((i, r)))
+    assert sorted(i for i, _ in kept) == [0, 1, 2] and all(len(r) == 6 for _, r in kept)
+    alone = {i: plain_greedy(target.model, p, 6) for i, p in enumerate(prompts)}
+    replies = dict(kept)
+    assert replies[0] == alone[0]
+    if name == "gemma2":
+        assert replies == alone
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gemma2", "lfm2"])

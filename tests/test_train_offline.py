@@ -13,6 +13,7 @@ import pytest
 from dflash_mlx.models import fixtures
 from dflash_mlx.models.drafter import Drafter, DrafterArgs
 from dflash_mlx.models.loader import load_target
+from dflash_mlx.training import data as data_module
 from dflash_mlx.training.data import prepare_data
 from dflash_mlx.training.drafter_init import draft_config
 from dflash_mlx.training.features import FEATURES, INDEX, feature_store
@@ -155,9 +156,10 @@ def test_replies_already_generated_are_kept_when_prompts_are_added(target_path, 
     _, tokenizer = load_target(target_path)
     asked: list[list[int]] = []
 
-    def answer(ids: list[list[int]]) -> list[list[int]]:
+    def answer(ids: list[list[int]], keep) -> None:
         asked.extend(ids)
-        return [[len(p)] * 3 for p in ids]
+        for i, p in enumerate(ids):
+            keep(i, [len(p)] * 3)
 
     key = {"prompts": "first", "seed": 0, "response_tokens": 8}
     first = prepare_data(tmp_path, tokenizer, ["alpha", "beta", "gamma"], ["held"], key, answer)
@@ -176,3 +178,40 @@ def test_replies_already_generated_are_kept_when_prompts_are_added(target_path, 
     asked.clear()
     prepare_data(tmp_path, tokenizer, ["alpha", "beta"], ["held"], key, answer)
     assert len(asked) == 2, "a damaged cache is made again"
+
+
+def test_replies_done_before_an_interruption_are_kept(target_path, tmp_path, monkeypatch):
+    """Ctrl-C (or an error) while replies are generated: those done are in the cache, on the way out and every
+    KEEP_EVERY replies (a killed process keeps those), and the next run asks only for the rest."""
+    _, tokenizer = load_target(target_path)
+    monkeypatch.setattr(data_module, "KEEP_EVERY", 2)
+    prompts = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    key = {"prompts": "p", "seed": 0, "response_tokens": 8}
+    asked: list[list[int]] = []
+
+    def interrupted_after(n: int):
+        def answer(ids, keep) -> None:
+            for i, p in enumerate(ids[:n]):
+                asked.append(p)
+                keep(i, [len(p), i])
+                cached = json.loads((tmp_path / "data.json").read_text()) if (tmp_path / "data.json").exists() else None
+                written.append(len(cached["train"]) if cached else 0)
+            raise KeyboardInterrupt
+        return answer
+
+    written: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(tmp_path, tokenizer, prompts, ["held"], key, interrupted_after(3))
+    assert written == [0, 2, 2], "written every KEEP_EVERY replies"
+    assert len(json.loads((tmp_path / "data.json").read_text())["train"]) == 3, "and on the way out"
+    done, asked[:] = list(asked), []
+
+    def answer(ids, keep) -> None:
+        asked.extend(ids)
+        for i, p in enumerate(ids):
+            keep(i, [len(p), -1])
+
+    data = prepare_data(tmp_path, tokenizer, prompts, ["held"], key, answer)
+    assert len(asked) == 2 and not {tuple(p) for p in asked} & {tuple(p) for p in done}, "only the rest is asked"
+    assert [s["response"][1] for s in data["train"]] == [0, 1, 2, -1, -1]
+    assert data["key"] == key and prepare_data(tmp_path, tokenizer, prompts, ["held"], key, answer) == data

@@ -93,18 +93,22 @@ def data_key(prompts: Sequence[Prompt], eval_prompts: int, seed: int, response_t
 
 
 REPLY_KEYS = ("response_tokens", "target")  # what a reply depends on besides its prompt
+KEEP_EVERY = 64  # replies between two writes of the cache while they are generated
+Keep = Callable[[int, list[int]], None]  # (index of a prompt asked, its reply), as each reply is done
 
 
 def prepare_data(
     out: Path, tokenizer: Any, train_prompts: list[Prompt], held_out: list[Prompt], key: dict[str, Any],
-    answer: Callable[[list[list[int]]], list[list[int]]],
+    answer: Callable[[list[list[int]], Keep], None],
 ) -> dict[str, Any]:
     """Training sequences (prompt and response ids) and held-out prompt ids, cached in OUT/data.json.
 
     ``key`` names everything the data depends on. A cache made under another key is remade, but
     the replies it holds are kept where what a reply depends on is the same (``REPLY_KEYS``):
-    adding prompts to a run, or splitting them anew, costs the new prompts' replies only. ``answer`` gives the target's replies
-    to prompt ids, the slow part: it runs on what the cache lacks only.
+    adding prompts to a run, or splitting them anew, costs the new prompts' replies only. ``answer(ids, keep)``
+    gives the target's replies to prompt ids, the slow part (an hour for ``make pair``): it runs on what the cache
+    lacks only, and hands each reply to ``keep`` as it is done, so the cache holds them every ``KEEP_EVERY``
+    replies and when generation stops (Ctrl-C, an error): a run interrupted goes on from the replies it had.
     """
     path = out / "data.json"
     known: dict[tuple[int, ...], list[int]] = {}
@@ -118,12 +122,41 @@ def prepare_data(
         pass
     ids = [encode(tokenizer, p) for p in train_prompts]
     missing = [p for p in ids if tuple(p) not in known]
-    known.update(zip(map(tuple, missing), answer(missing) if missing else []))
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write_partial() -> None:  # under a key that holds REPLY_KEYS but is never a whole key
+        partial = {k: key.get(k) for k in REPLY_KEYS}
+        write_atomic(path, json.dumps({"key": dict(partial, partial=True), "eval": [],
+                                       "train": [{"prompt": list(p), "response": r} for p, r in known.items()]}))
+
+    kept = 0
+
+    def keep(i: int, reply: list[int]) -> None:
+        nonlocal kept
+        known[tuple(missing[i])] = reply
+        kept += 1
+        if kept % KEEP_EVERY == 0:
+            write_partial()
+
+    if missing:
+        try:
+            answer(missing, keep)
+        except BaseException:
+            if kept:
+                write_partial()
+            raise
     train = [{"prompt": p, "response": known[tuple(p)]} for p in ids]
     data = {"key": key, "train": train, "eval": [encode(tokenizer, p) for p in held_out]}
-    out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(data))
     return data
+
+
+def replies_kept(out: Path) -> int:
+    """How many replies OUT/data.json holds, whole or as an interrupted run left it (0: none, or damaged)."""
+    try:
+        return len(json.loads((out / "data.json").read_text())["train"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def training_sequences(data: dict[str, Any], block_size: int) -> Sequences:

@@ -47,7 +47,7 @@ from ..models.loader import cast_floats, check_pair, load_drafter, load_target, 
 from ..models.target import Target
 from ..models.vocabulary import CONFIG_KEY as VOCAB_CONFIG
 from ..models.vocabulary import DRAFT_VOCAB, DraftVocabulary
-from .data import Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
+from .data import Keep, Sequences, data_key, prepare_data, read_prompts, split_prompts, training_sequences
 from .drafter_init import draft_config, init_from_target, pick_mask_token
 from .features import FeatureStore, feature_store
 from .objective import (
@@ -85,45 +85,62 @@ class TrainResult:
 
 
 def respond(
-    model: nn.Module, prompts: list[list[int]], max_tokens: int, eos: frozenset[int], progress: Progress
-) -> list[list[int]]:
-    """The target's greedy replies, EOS included so the drafter also learns to end a reply.
+    model: nn.Module, prompts: list[list[int]], max_tokens: int, eos: frozenset[int], progress: Progress, keep: Keep
+) -> None:
+    """The target's greedy replies, EOS included so the drafter also learns to end a reply, each handed to
+    ``keep(index, reply)`` as it is done (``data.prepare_data`` keeps them through an interruption).
 
     Generated in batches by mlx-lm's ``BatchGenerator`` (several times the throughput of
-    one prompt at a time) where the model takes its batches: its first reply is checked
-    against the model's own decoding of that prompt alone, and a model whose attention
+    one prompt at a time) where the model takes its batches: the first prompt is decoded alone first and
+    the batch's replies are held until its reply to that prompt agrees, and a model whose attention
     does not take a batch's padded masks (Gemma 2's, for one) answers one prompt at a time.
     """
+    if not prompts:
+        return
+    alone = _respond_alone(model, prompts[0], max_tokens, eos)
     try:
-        replies = _respond_batched(model, prompts, max_tokens, eos, progress)
-        if not prompts or replies[0] == _respond_alone(model, prompts[0], max_tokens, eos):
-            return replies
+        if _respond_batched(model, prompts, max_tokens, eos, progress, keep, alone):
+            return
     except (ValueError, RuntimeError):  # what MLX raises where the model's shapes do not take the batch's
         pass
-    replies = []
-    for done, prompt in enumerate(prompts, 1):
-        replies.append(_respond_alone(model, prompt, max_tokens, eos))
+    keep(0, alone)
+    progress({"phase": "generate", "done": 1, "total": len(prompts)})
+    for done, prompt in enumerate(prompts[1:], 2):
+        keep(done - 1, _respond_alone(model, prompt, max_tokens, eos))
         progress({"phase": "generate", "done": done, "total": len(prompts)})
-    return replies
 
 
 def _respond_batched(model: nn.Module, prompts: list[list[int]], max_tokens: int, eos: frozenset[int],
-                     progress: Progress) -> list[list[int]]:
+                     progress: Progress, keep: Keep, alone: list[int]) -> bool:
+    """False, having kept nothing, where the batch's reply to the first prompt is not ``alone``."""
     generator = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in sorted(eos)],
                                completion_batch_size=REPLY_BATCH)
     try:
         uids = generator.insert(prompts)
+        index = {uid: i for i, uid in enumerate(uids)}
         replies: dict[int, list[int]] = {uid: [] for uid in uids}
+        held: Optional[list[int]] = []  # the replies done before the first prompt's, until it agrees
         done = 0
         while responses := generator.next_generated():
             for r in responses:
                 replies[r.uid].append(int(r.token))  # on a "stop" finish this is the EOS token
-                if r.finish_reason is not None:
-                    done += 1
-                    progress({"phase": "generate", "done": done, "total": len(prompts)})
+                if r.finish_reason is None:
+                    continue
+                done += 1
+                if held is None:
+                    keep(index[r.uid], replies[r.uid])
+                else:
+                    held.append(r.uid)
+                    if index[r.uid] == 0:
+                        if replies[r.uid] != alone:
+                            return False
+                        for uid in held:
+                            keep(index[uid], replies[uid])
+                        held = None
+                progress({"phase": "generate", "done": done, "total": len(prompts)})
     finally:
         generator.close()
-    return [replies[uid] for uid in uids]
+    return True
 
 
 def _respond_alone(model: nn.Module, prompt: list[int], max_tokens: int, eos: frozenset[int]) -> list[int]:
@@ -492,7 +509,8 @@ def train(
 
     train_prompts, held_out = split_prompts(prompt_list, eval_prompts, seed)
     data = prepare_data(out_dir, tokenizer, train_prompts, held_out, key,
-                        lambda ids: respond(model, ids, response_tokens, frozenset(tokenizer.eos_token_ids), report))
+                        lambda ids, keep: respond(model, ids, response_tokens, frozenset(tokenizer.eos_token_ids),
+                                                  report, keep))
     sequences = training_sequences(data, block_size)
     features = feature_store(out_dir, tgt, sequences, key, report)
 
