@@ -191,9 +191,9 @@ def main() -> None:
         sys.exit(e.returncode)
     except DFlashError as e:  # e.g. a drafter left by another recipe: a resume refuses other settings
         sys.exit(f"error: {e} (remove {FOLDER / 'draft'} to train a new one)")
-    except KeyboardInterrupt:  # train() has checkpointed its last step; replies and features are kept as written
-        print(f"\ninterrupted: what was done is kept in {FOLDER}; the same command goes on from there",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # train() keeps the replies as they come and checkpoints its last step
+        print(f"\ninterrupted: the replies and training steps done are kept in {FOLDER}; the same command goes on "
+              "from there", file=sys.stderr)
         sys.exit(130)
 
 
