@@ -69,18 +69,18 @@ def _training_interrupted(out: str) -> NoReturn:
     """Say what Ctrl-C left (the checkpoint to --resume from, the replies so far, or nothing) and exit 130."""
     from pathlib import Path
 
-    from ..training.data import replies_kept
+    from ..training.data import DATA, replies_kept
     from ..training.train import CHECKPOINT, saved_step
 
+    folder = Path(out).expanduser()
     step = saved_step(out)
-    if step is None and (replies := replies_kept(Path(out).expanduser())):
+    if step is None and (replies := replies_kept(folder)):
         err.print(f"\n[yellow]interrupted[/] before the first training step; the target's {replies} replies so far "
-                  f"are kept in {escape(str(Path(out).expanduser() / 'data.json'))}: the same command goes on "
-                  "from them", soft_wrap=True)
+                  f"are kept in {escape(str(folder / DATA))}: the same command goes on from them", soft_wrap=True)
     elif step is None:
         err.print("\n[yellow]interrupted[/] before the first training step; nothing was saved", soft_wrap=True)
     else:
-        where = escape(str(Path(out).expanduser() / CHECKPOINT))
+        where = escape(str(folder / CHECKPOINT))
         err.print(f"\n[yellow]interrupted:[/] checkpoint of step {step} saved in {where}; "
                   "run the same command with --resume to continue", soft_wrap=True)
     raise typer.Exit(130)

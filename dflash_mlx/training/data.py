@@ -93,6 +93,7 @@ def data_key(prompts: Sequence[Prompt], eval_prompts: int, seed: int, response_t
 
 
 REPLY_KEYS = ("response_tokens", "target")  # what a reply depends on besides its prompt
+DATA = "data.json"  # the cache in OUT
 KEEP_EVERY = 64  # replies between two writes of the cache while they are generated
 Keep = Callable[[int, list[int]], None]  # (index of a prompt asked, its reply), as each reply is done
 
@@ -110,7 +111,7 @@ def prepare_data(
     lacks only, and hands each reply to ``keep`` as it is done, so the cache holds them every ``KEEP_EVERY``
     replies and when generation stops (Ctrl-C, an error): a run interrupted goes on from the replies it had.
     """
-    path = out / "data.json"
+    path = out / DATA
     known: dict[tuple[int, ...], list[int]] = {}
     try:
         cached = json.loads(path.read_text())
@@ -154,7 +155,7 @@ def prepare_data(
 def replies_kept(out: Path) -> int:
     """How many replies OUT/data.json holds, whole or as an interrupted run left it (0: none, or damaged)."""
     try:
-        return len(json.loads((out / "data.json").read_text())["train"])
+        return len(json.loads((out / DATA).read_text())["train"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
