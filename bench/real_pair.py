@@ -190,7 +190,8 @@ def main() -> None:
     except subprocess.CalledProcessError as e:  # a bench run that failed or was interrupted has said why itself
         sys.exit(e.returncode)
     except DFlashError as e:  # e.g. a drafter left by another recipe: a resume refuses other settings
-        sys.exit(f"error: {e} (remove {FOLDER / 'draft'} to train a new one)")
+        print(f"error: {e} (remove {FOLDER / 'draft'} to train a new one)", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:  # train() keeps the replies as they come and checkpoints its last step
         print(f"\ninterrupted: the replies and training steps done are kept in {FOLDER}; the same command goes on "
               "from there", file=sys.stderr)
